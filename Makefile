@@ -1,0 +1,39 @@
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+
+.PHONY: serve test e2e lint bench install install-test
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# torch's CPU build first, so the project's own torch requirement installs nothing more.
+	$(BIN)/pip install torch==$(TORCH_VERSION)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -e .
+	touch $@
+
+$(VENV)/.installed-test: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -e '.[test]'
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+serve: install
+	$(BIN)/pagedllm serve $(ARGS)
+
+test: install-test
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+e2e: install-test
+	$(BIN)/python -m pytest -q e2e $(PYTEST_ARGS)
+
+lint: install-test
+	$(BIN)/ruff check .
+
+bench: install-test
+	$(BIN)/pip install -e '.[test,bench]'

@@ -1,0 +1,133 @@
+"""Pure-torch references for the paged-attention kernels.
+
+They define the contract the Triton kernels must meet, and they are what the engine runs on
+the CPU. Layout shared by all of them:
+
+- a layer's cache is a pair ``(k_cache, v_cache)``, each ``[num_blocks, block_size,
+  num_kv_heads, head_dim]``; a token's slot is ``block_id * block_size + offset``;
+- queries of a mixed batch are laid out varlen: sequence ``i`` owns rows
+  ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of ``q`` (``[num_tokens, num_heads, head_dim]``);
+- ``seq_lens_k[i]`` counts all of sequence ``i``'s tokens whose KV is in the cache, the new
+  ones included, so its queries sit at positions ``seq_lens_k[i] - q_len .. seq_lens_k[i] - 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key``/``value`` (``[num_tokens, num_kv_heads, head_dim]``) into the cache.
+
+    A slot of -1 means the token is not written (e.g. padding).
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k[slots] = key[keep].to(k_cache.dtype)
+    flat_v[slots] = value[keep].to(v_cache.dtype)
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:
+    """Copy whole blocks ``pairs[:, 0] -> pairs[:, 1]`` in every layer (copy-on-write)."""
+    if pairs.numel() == 0:
+        return
+    src, dst = pairs[:, 0].long(), pairs[:, 1].long()
+    for k_cache, v_cache in kv_caches:
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_len: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Masked attention over a padded batch.
+
+    q ``[B, Lq, Hq, D]``, k/v ``[B, Lk, Hkv, D]``, q_positions ``[B, Lq]`` (absolute positions,
+    -1 for padding rows), k_len ``[B]``. Returns ``[B, Lq, Hq, D]`` in q's dtype.
+    """
+    batch, len_q, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    qf = q.float().view(batch, len_q, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) * scale
+    k_pos = torch.arange(k.shape[1], device=q.device)
+    allowed = (k_pos[None, None, :] <= q_positions[:, :, None]) & (
+        k_pos[None, None, :] < k_len[:, None, None]
+    )
+    if sliding_window is not None:
+        allowed &= k_pos[None, None, :] > q_positions[:, :, None] - sliding_window
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float())
+    return out.reshape(batch, len_q, num_heads, head_dim).to(q.dtype)
+
+
+def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``[B, num_blocks * block_size, Hkv, D]`` view of each sequence's first blocks."""
+    blocks = cache[block_tables[:, :num_blocks].long()]
+    return blocks.reshape(blocks.shape[0], -1, *cache.shape[2:])
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over all of its cached KV.
+
+    ``block_tables`` is ``[num_seqs, max_blocks]`` (int32, unused entries arbitrary).
+    Returns ``[num_tokens, num_heads, head_dim]``.
+    """
+    num_seqs = seq_lens_k.shape[0]
+    out = q.new_empty(q.shape)
+    if num_seqs == 0:
+        return out
+    block_size = k_cache.shape[1]
+    seq_lens_k = seq_lens_k.long()
+    starts = cu_seqlens_q[:-1].long()
+    q_lens = cu_seqlens_q[1:].long() - starts
+    decode = q_lens == 1
+    if bool(decode.any()):
+        # Single-query sequences attend as one padded batch.
+        idx = decode.nonzero()[:, 0]
+        lens = seq_lens_k[idx]
+        num_blocks = (int(lens.max()) + block_size - 1) // block_size
+        k = _gather_kv(k_cache, block_tables[idx], num_blocks)
+        v = _gather_kv(v_cache, block_tables[idx], num_blocks)
+        rows = starts[idx]
+        out[rows] = _attend(
+            q[rows][:, None], k, v, (lens - 1)[:, None], lens, scale, sliding_window
+        )[:, 0]
+    # Longer chunks (prefill) one sequence at a time: padding them together wastes compute.
+    for i in (~decode & (q_lens > 0)).nonzero()[:, 0].tolist():
+        start, q_len, k_len = int(starts[i]), int(q_lens[i]), int(seq_lens_k[i])
+        num_blocks = (k_len + block_size - 1) // block_size
+        k = _gather_kv(k_cache, block_tables[i : i + 1], num_blocks)
+        v = _gather_kv(v_cache, block_tables[i : i + 1], num_blocks)
+        positions = torch.arange(k_len - q_len, k_len, device=q.device)[None]
+        lens = seq_lens_k[i : i + 1]
+        out[start : start + q_len] = _attend(
+            q[None, start : start + q_len], k, v, positions, lens, scale, sliding_window
+        )[0]
+    return out

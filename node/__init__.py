@@ -1,0 +1,1 @@
+"""The serving node: engine, model runner, models, processes and HTTP front."""

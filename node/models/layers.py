@@ -1,0 +1,142 @@
+"""Building blocks of the decoder models, sharded for tensor parallelism.
+
+Numerics follow Hugging Face's Llama family (norms in float32, rotary tables in float32 cast to
+the activations' dtype), so that a checkpoint gives the same logits here as there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Position interpolation: every frequency divided by ``factor``."""
+
+    factor: float
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        return inv_freq / self.factor
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's scaling: long wavelengths divided by ``factor``, short ones kept, and the
+    band between them interpolated smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        old_context = self.original_max_position_embeddings
+        low_freq_wavelen = old_context / self.low_freq_factor
+        high_freq_wavelen = old_context / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old_context / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+
+
+RopeScaling = LinearRopeScaling | Llama3RopeScaling
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, GPT-NeoX layout (the two halves of a head rotate together)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer(
+            "inv_freq", torch.empty(head_dim // 2, dtype=torch.float32), persistent=False
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Fill ``inv_freq``; to be called again after materializing a model built on ``meta``."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        inv_freq = 1.0 / (self.theta**exponents)
+        if self.scaling is not None:
+            inv_freq = self.scaling.apply(inv_freq)
+        with torch.no_grad():
+            self.inv_freq.copy_(inv_freq)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``(cos, sin)``, each ``[num_tokens, head_dim]`` in ``dtype``."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (``[num_tokens, num_heads, head_dim]``) by the per-token angles."""
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated_half * sin[:, None, :]
+
+
+class ColumnParallelLinear(nn.Linear):
+    """A linear layer whose output features are split across ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_size: int) -> None:
+        super().__init__(in_features, out_features // tp_size, bias=bias)
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input features are split across ranks; partial sums are
+    all-reduced, and the (replicated) bias is added once, after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_size: int) -> None:
+        super().__init__(in_features // tp_size, out_features, bias=bias)
+        self.tp_size = tp_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(x)
+        out = F.linear(x, self.weight)
+        dist.all_reduce(out)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size, 2 * intermediate_size, bias=bias, tp_size=tp_size
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, tp_size=tp_size
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,52 @@
+"""What the offline API returns, shaped like vLLM's outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    time_in_queue: float | None = None
+    first_token_time: float | None = None  # seconds after arrival
+    finished_time: float | None = None  # seconds after arrival
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, float] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence] = field(default_factory=list)

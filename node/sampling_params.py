@@ -1,0 +1,145 @@
+"""Per-request generation settings, with vLLM's names and meanings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to generate one request's output(s).
+
+    ``temperature == 0`` is greedy decoding. ``top_k`` of 0 or -1 disables top-k.
+    ``best_of`` sequences are generated and the ``n`` with the highest cumulative log
+    probability are returned. With ``use_beam_search`` the beam width is ``best_of`` (or ``n``)
+    and the ``n`` best beams are returned.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        _require(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1", self.n)
+        if self.best_of is not None:
+            _require(
+                isinstance(self.best_of, int) and self.best_of >= self.n,
+                "best_of",
+                f"must be an integer >= n ({self.n})",
+                self.best_of,
+            )
+        _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]",
+                 self.presence_penalty)
+        _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+                 "must be in [-2, 2]", self.frequency_penalty)
+        _require(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0",
+                 self.repetition_penalty)
+        _require(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
+        _require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
+        _require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+                 "must be -1 (disable), 0 (disable) or a positive integer", self.top_k)
+        _require(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
+        if self.seed is not None:
+            _require(isinstance(self.seed, int), "seed", "must be an integer", self.seed)
+        if self.max_tokens is not None:
+            _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+                     "must be an integer >= 1", self.max_tokens)
+        _require(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+                 "must be an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None:
+            _require(self.min_tokens <= self.max_tokens, "min_tokens",
+                     f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(isinstance(value, int) and value >= 0, name,
+                         "must be a non-negative integer", value)
+        _require(all(isinstance(s, str) and s for s in self.stop_strings), "stop",
+                 "must be a non-empty string or a list of non-empty strings", self.stop)
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids", "must be a list of non-negative integers",
+                 self.stop_token_ids)
+        if self.use_beam_search:
+            _require(self.temperature == 0.0 or self.temperature == 1.0, "temperature",
+                     "must be 0 or 1 with beam search", self.temperature)
+            _require(self.beam_width >= 2 or self.n == 1, "best_of",
+                     "beam search needs a beam width (best_of or n)", self.best_of)
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences are generated (best_of, or n)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def beam_width(self) -> int:
+        return self.num_sequences
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class BeamSearchParams:
+    """Settings of ``LLM.beam_search``."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width",
+                 "must be an integer >= 1", self.beam_width)
+        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+                 "must be an integer >= 1", self.max_tokens)
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.beam_width,
+            best_of=self.beam_width,
+            use_beam_search=True,
+            temperature=0.0,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            length_penalty=self.length_penalty,
+        )
+
+
+def _require(ok: bool, name: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} {rule}, got {value!r}")
