@@ -3,7 +3,7 @@
 ``kernel_ops(backend)`` returns the module implementing ``paged_attention``, ``write_kv`` and
 ``copy_blocks`` with the contract documented in :mod:`pagedllm.kernels.reference`.
 ``backend`` is ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``
-(on the CPU the latter needs ``TRITON_INTERPRET=1``).
+(on the CPU the Triton interpreter is used, see ``triton_device``).
 """
 
 from __future__ import annotations

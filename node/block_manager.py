@@ -85,7 +85,9 @@ class BlockManager:
             return index
         return None
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> bool:
         table, computed, kv_tokens = self._layout(seq, hit)
         end = max(computed + num_new_tokens, kv_tokens)
         take = max(0, self.blocks_needed(end) - len(table))
@@ -118,6 +120,8 @@ class BlockManager:
             self.pending_copies.append((old, new))
             self.pool.release(old)
             seq.block_ids[index] = new
+            # The workers' copy of the table must be resent from the replaced entry on.
+            seq.worker_blocks = min(seq.worker_blocks, index)
         end = max(seq.num_computed_tokens + num_new_tokens, seq.num_kv_tokens)
         for _ in range(self.blocks_needed(end) - len(seq.block_ids)):
             seq.block_ids.append(self.pool.allocate())

@@ -14,12 +14,13 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
+
 from pagedllm.kernels import kernel_ops
 from pagedllm.node.model_config import ModelConfig, ModelLoadError, read_model_config
 from pagedllm.node.models import MODEL_CLASSES
 from pagedllm.node.models.layers import RotaryEmbedding
 from pagedllm.node.models.llama import CausalLM
-from safetensors import safe_open
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

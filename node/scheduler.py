@@ -326,8 +326,10 @@ class Scheduler:
             if seq is None:
                 continue
             request = seq.request
-            for lp, top in zip(part.token_logprobs, part.top_logprobs, strict=True):
-                entry = {request.prompt_token_ids[len(request.prompt_logprobs)]: lp}
+            for k, (lp, top) in enumerate(
+                zip(part.token_logprobs, part.top_logprobs, strict=True)
+            ):
+                entry = {request.prompt_token_ids[part.start + k]: lp}
                 entry.update({t: v for t, v in top if t not in entry})
                 request.prompt_logprobs.append(entry)
             touched[request.request_id] = request
@@ -425,7 +427,11 @@ class Scheduler:
         p = request.params
         width = p.beam_width
         ranked = sorted(
-            ((s.cumulative_logprob + lp, s, tok, lp) for s in live for tok, lp in s.beam_candidates),
+            (
+                (s.cumulative_logprob + lp, s, tok, lp)
+                for s in live
+                for tok, lp in s.beam_candidates or ()
+            ),
             key=lambda c: -c[0],
         )
         chosen: list[tuple[Sequence, int, float]] = []

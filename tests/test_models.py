@@ -17,21 +17,22 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from pagedllm.kernels import reference
-from pagedllm.node.attention_metadata import AttentionMetadata
-from pagedllm.node.model_config import ModelLoadError, read_model_config
-from pagedllm.node.model_loader import load_model, load_tokenizer
-from pagedllm.node.models.layers import LinearRopeScaling, Llama3RopeScaling
-from pagedllm.node.models.llama import CausalLM
 from safetensors.torch import load_file, save_file
+from tiny_models import save_hf_model
 from transformers import (
-    AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
 )
+
+from pagedllm.kernels import reference
+from pagedllm.node.attention_metadata import AttentionMetadata
+from pagedllm.node.model_config import ModelLoadError, read_model_config
+from pagedllm.node.model_loader import load_model, load_tokenizer
+from pagedllm.node.models.layers import LinearRopeScaling, Llama3RopeScaling
+from pagedllm.node.models.llama import CausalLM
 
 VOCAB = 128
 TOLERANCE = 1e-4
@@ -79,18 +80,6 @@ SCHEDULE: list[dict[int, int]] = [
     {1: 1},
 ]
 SEQUENCE_LENS = tuple(sum(step.get(seq, 0) for step in SCHEDULE) for seq in range(2))
-
-
-def save_hf_model(directory: Path, config: PretrainedConfig, seed: int = 0, **save_kwargs):
-    """A transformers model with random weights (biases and norms included), saved."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config)).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            offset = 1.0 if "norm" in name else 0.0
-            param.copy_(offset + 0.1 * torch.randn_like(param))
-    model.save_pretrained(directory, **save_kwargs)
-    return model
 
 
 def token_sequences(seed: int = 1) -> list[torch.Tensor]:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pagedllm.node.attention_metadata import AttentionMetadata
 from pagedllm.node.models.layers import (
     ColumnParallelLinear,
@@ -21,7 +23,6 @@ from pagedllm.node.models.layers import (
     RowParallelLinear,
     apply_rotary,
 )
-from torch import nn
 
 if TYPE_CHECKING:
     from pagedllm.node.model_config import ModelConfig

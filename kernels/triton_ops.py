@@ -1,0 +1,56 @@
+"""The Triton backend: paged attention, KV write and block copy.
+
+Same contract as :mod:`pagedllm.kernels.reference`. Without a GPU the kernels run on CPU
+tensors through Triton's interpreter (see :mod:`pagedllm.kernels.triton_device`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.kernels.cache_ops import copy_blocks, write_kv
+from pagedllm.kernels.triton_device import multiprocessor_count
+from pagedllm.kernels.unified_attention import choose_num_kv_splits, unified_attention
+
+__all__ = ["copy_blocks", "paged_attention", "write_kv"]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over all of its cached KV.
+
+    ``max_seqlen_q`` and ``max_seqlen_k`` pick the tile shapes and the flash-decoding split;
+    passing them spares a device-to-host copy.
+    """
+    num_seqs = seq_lens_k.shape[0]
+    if num_seqs == 0:
+        return torch.empty_like(q)
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_seqlen_k is None:
+        max_seqlen_k = int(seq_lens_k.max())
+    num_kv_splits = choose_num_kv_splits(
+        num_seqs, k_cache.shape[2], max_seqlen_q, max_seqlen_k, multiprocessor_count(q.device)
+    )
+    return unified_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens_k,
+        scale,
+        sliding_window,
+        max_seqlen_q,
+        num_kv_splits,
+    )

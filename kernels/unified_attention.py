@@ -1,0 +1,384 @@
+"""Paged attention over a mixed batch of prefill chunks and decode tokens, in Triton.
+
+One program attends one tile of a sequence's queries with one KV head. The rows of its Q tile
+are (query, query head) pairs covering every query head of that KV head's group, so each K/V
+tile is read once for the whole group. The program walks the sequence's keys in tiles of
+``keys`` tokens, finding each token's slot through the block table, and keeps an online
+softmax in fp32 (in base 2: scores are pre-multiplied by log2(e)).
+
+When there are too few (sequence, KV head) programs to fill the GPU, each program's key range
+is split (flash-decoding): every split writes its running max, sum and unnormalised output to
+fp32 scratch and a second kernel merges the splits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.kernels.triton_device import is_interpreting, tl, triton
+
+# Bounds the Q tile and each K/V tile of a program in bytes, so that registers and the
+# pipelined shared-memory stages fit for every head size and dtype.
+Q_TILE_BYTES = 32 * 1024
+KV_TILE_BYTES = 16 * 1024
+MAX_QUERY_ROWS = 128
+MAX_TILE_KEYS = 64
+# The smallest tile tl.dot accepts on NVIDIA GPUs.
+MIN_DOT_SIZE = 16
+
+MIN_KEYS_PER_SPLIT = 512
+MAX_KV_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    query_rows: int  # (query, head) rows of a program's Q tile
+    queries: int  # queries per program: query_rows // group
+    keys: int  # keys per step of the KV walk
+    num_warps: int
+
+
+def choose_tiles(head_dim: int, element_size: int, group: int, max_seqlen_q: int) -> AttentionTiles:
+    head_bytes = triton.next_power_of_2(head_dim) * element_size
+    wanted_rows = triton.next_power_of_2(max_seqlen_q * group)
+    rows = min(wanted_rows, MAX_QUERY_ROWS, Q_TILE_BYTES // head_bytes)
+    rows = max(rows, MIN_DOT_SIZE, triton.next_power_of_2(group))
+    keys = max(MIN_DOT_SIZE, min(MAX_TILE_KEYS, KV_TILE_BYTES // head_bytes))
+    # Eight warps once the fp32 accumulator reaches 64 KiB, so it stays in registers.
+    num_warps = 8 if rows * head_bytes // element_size >= 128 * 128 else 4
+    return AttentionTiles(query_rows=rows, queries=rows // group, keys=keys, num_warps=num_warps)
+
+
+def choose_num_kv_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    multiprocessor_count: int,
+) -> int:
+    """How many parts to split each sequence's keys into (1: no split).
+
+    Only decode batches split: their scratch is small, and with fewer (sequence, KV head)
+    programs than multiprocessors a long context would otherwise run on a few of them.
+    """
+    if max_seqlen_q > 1:
+        return 1
+    programs = num_seqs * num_kv_heads
+    if programs >= multiprocessor_count:
+        return 1
+    to_fill_twice = triton.cdiv(2 * multiprocessor_count, programs)
+    worth_splitting = max_seqlen_k // MIN_KEYS_PER_SPLIT
+    return max(1, min(to_fill_twice, worth_splitting, MAX_KV_SPLITS))
+
+
+@triton.jit
+def _find_sequence(cu_seqlens_q_ptr, tile_index, num_seqs, QUERIES: tl.constexpr):
+    """The sequence owning query tile ``tile_index``.
+
+    Sequence ``i``'s tiles start at ``cu_seqlens_q[i] // QUERIES + i``: enough room for its
+    ``ceil(q_len / QUERIES)`` tiles, found without a host round trip.
+    """
+    low: tl.int32 = 0
+    high = num_seqs
+    while low < high:
+        middle = (low + high) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + middle) // QUERIES + middle
+        if first_tile <= tile_index:
+            low = middle + 1
+        else:
+            high = middle
+    return low - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    partial_out_ptr,  # [num_tokens, num_heads, num_kv_splits, HEAD_DIM_PADDED] fp32
+    partial_max_ptr,  # [num_tokens, num_heads, num_kv_splits] fp32
+    partial_sum_ptr,  # [num_tokens, num_heads, num_kv_splits] fp32
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32
+    seq_lens_k_ptr,  # [num_seqs] int32
+    scale_log2: tl.float32,
+    sliding_window: tl.int32,
+    num_seqs: tl.int32,
+    num_heads: tl.int32,
+    num_kv_splits: tl.int32,
+    stride_q_token: tl.int64,
+    stride_q_head: tl.int64,
+    stride_out_token: tl.int64,
+    stride_out_head: tl.int64,
+    stride_k_block: tl.int64,
+    stride_k_slot: tl.int64,
+    stride_k_head: tl.int64,
+    stride_v_block: tl.int64,
+    stride_v_slot: tl.int64,
+    stride_v_head: tl.int64,
+    stride_table_seq: tl.int64,
+    GROUP: tl.constexpr,
+    QUERY_ROWS: tl.constexpr,
+    QUERIES: tl.constexpr,
+    TILE_KEYS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
+    UPCAST_TO_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile_index = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_sequence(cu_seqlens_q_ptr, tile_index, num_seqs, QUERIES)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    first_query = (tile_index - (q_start // QUERIES + seq)) * QUERIES
+    if first_query >= q_len:
+        return
+    kv_len = tl.load(seq_lens_k_ptr + seq)
+    context_len = kv_len - q_len
+
+    rows = tl.arange(0, QUERY_ROWS)
+    query = first_query + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < QUERIES * GROUP) & (query < q_len)
+    token = (q_start + query).to(tl.int64)
+    query_pos = context_len + query
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = dims < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    if UPCAST_TO_FP32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+
+    # Keys any row of this tile can see: causal up to its last query, windowed from its first.
+    last_query = tl.minimum(first_query + QUERIES, q_len) - 1
+    kv_end = context_len + last_query + 1
+    first_tile = 0
+    if USE_WINDOW:
+        first_tile = tl.maximum(context_len + first_query - sliding_window + 1, 0) // TILE_KEYS
+    end_tile = tl.cdiv(kv_end, TILE_KEYS)
+    if SPLIT_KV:
+        tiles_per_split = tl.cdiv(end_tile - first_tile, num_kv_splits)
+        first_tile = first_tile + split * tiles_per_split
+        end_tile = tl.minimum(end_tile, first_tile + tiles_per_split)
+
+    row_max = tl.full([QUERY_ROWS], float("-inf"), tl.float32)
+    row_sum = tl.zeros([QUERY_ROWS], tl.float32)
+    acc = tl.zeros([QUERY_ROWS, HEAD_DIM_PADDED], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+    key_offsets = tl.arange(0, TILE_KEYS)
+    for key_tile in range(first_tile, end_tile):
+        key_pos = key_tile * TILE_KEYS + key_offsets
+        key_valid = key_pos < kv_end
+        block_ids = tl.load(block_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+        block_ids = block_ids.to(tl.int64)
+        slot_in_block = key_pos % BLOCK_SIZE
+        k = tl.load(
+            k_cache_ptr
+            + block_ids[None, :] * stride_k_block
+            + slot_in_block[None, :] * stride_k_slot
+            + kv_head * stride_k_head
+            + dims[:, None],
+            mask=dim_valid[:, None] & key_valid[None, :],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr
+            + block_ids[:, None] * stride_v_block
+            + slot_in_block[:, None] * stride_v_slot
+            + kv_head * stride_v_head
+            + dims[None, :],
+            mask=key_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        if UPCAST_TO_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        visible = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (key_pos[None, :] > query_pos[:, None] - sliding_window)
+        scores = tl.where(visible, scores, float("-inf"))
+
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        # A row that has seen no visible key yet keeps max -inf; subtracting 0 keeps it NaN-free.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.exp2(scores - shift[:, None])
+        rescale = tl.exp2(row_max - shift)
+        row_sum = row_sum * rescale + tl.sum(probs, 1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+
+    if SPLIT_KV:
+        partial = ((token * num_heads + head) * num_kv_splits + split).to(tl.int64)
+        tl.store(partial_max_ptr + partial, row_max, mask=row_valid)
+        tl.store(partial_sum_ptr + partial, row_sum, mask=row_valid)
+        tl.store(
+            partial_out_ptr + partial[:, None] * HEAD_DIM_PADDED + dims[None, :],
+            acc,
+            mask=row_valid[:, None],
+        )
+    else:
+        # Rows outside the tile may have seen no key at all; real rows always see their own.
+        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+        tl.store(
+            out_ptr
+            + token[:, None] * stride_out_token
+            + head[:, None] * stride_out_head
+            + dims[None, :],
+            out,
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+
+
+@triton.jit
+def _merge_kv_splits_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    num_heads: tl.int32,
+    num_kv_splits: tl.int32,
+    stride_out_token: tl.int64,
+    stride_out_head: tl.int64,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    SPLITS_PADDED: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PADDED)
+    split_valid = splits < num_kv_splits
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    partial = (token * num_heads + head) * num_kv_splits + splits
+
+    split_max = tl.load(partial_max_ptr + partial, mask=split_valid, other=float("-inf"))
+    split_sum = tl.load(partial_sum_ptr + partial, mask=split_valid, other=0.0)
+    split_out = tl.load(
+        partial_out_ptr + partial[:, None] * HEAD_DIM_PADDED + dims[None, :],
+        mask=split_valid[:, None],
+        other=0.0,
+    )
+    # Every query sees at least its own key, so some split has a finite max; empty splits
+    # (max -inf) get weight 0.
+    weight = tl.exp2(split_max - tl.max(split_max, 0))
+    out = tl.sum(split_out * weight[:, None], 0) / tl.sum(split_sum * weight, 0)
+    tl.store(
+        out_ptr + token * stride_out_token + head * stride_out_head + dims,
+        out,
+        mask=dims < HEAD_DIM,
+    )
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    max_seqlen_q: int,
+    num_kv_splits: int,
+) -> torch.Tensor:
+    """:func:`pagedllm.kernels.reference.paged_attention`, its keys split ``num_kv_splits`` ways."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens_k.shape[0]
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+
+    group = num_heads // num_kv_heads
+    tiles = choose_tiles(head_dim, k_cache.element_size(), group, max_seqlen_q)
+    head_dim_padded = triton.next_power_of_2(head_dim)
+    split_kv = num_kv_splits > 1
+    if split_kv:
+        partial_out = q.new_empty(
+            (num_tokens, num_heads, num_kv_splits, head_dim_padded), dtype=torch.float32
+        )
+        partial_max = q.new_empty((num_tokens, num_heads, num_kv_splits), dtype=torch.float32)
+        partial_sum = torch.empty_like(partial_max)
+    else:
+        partial_out = partial_max = partial_sum = out
+    # The interpreter keeps bf16 as raw 16-bit integers and its tl.dot would multiply those.
+    upcast = is_interpreting() and k_cache.dtype == torch.bfloat16
+    fp32_dot = upcast or k_cache.dtype == torch.float32
+
+    grid = (num_tokens // tiles.queries + num_seqs, num_kv_heads, num_kv_splits)
+    _paged_attention_kernel[grid](
+        out,
+        partial_out,
+        partial_max,
+        partial_sum,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens_k,
+        scale * math.log2(math.e),
+        sliding_window or 0,
+        num_seqs,
+        num_heads,
+        num_kv_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        QUERY_ROWS=tiles.query_rows,
+        QUERIES=tiles.queries,
+        TILE_KEYS=tiles.keys,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        USE_WINDOW=sliding_window is not None,
+        SPLIT_KV=split_kv,
+        UPCAST_TO_FP32=upcast,
+        DOT_PRECISION="ieee" if fp32_dot else None,
+        num_warps=tiles.num_warps,
+        num_stages=3,
+    )
+    if split_kv:
+        _merge_kv_splits_kernel[(num_tokens, num_heads)](
+            out,
+            partial_out,
+            partial_max,
+            partial_sum,
+            num_heads,
+            num_kv_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PADDED=head_dim_padded,
+            SPLITS_PADDED=triton.next_power_of_2(num_kv_splits),
+            num_warps=4,
+        )
+    return out

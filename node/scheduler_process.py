@@ -1,0 +1,190 @@
+"""The scheduler process: owns the block manager and the scheduler, drives the workers.
+
+Each step it sends every worker the same plan, waits for rank 0's samples, updates the
+requests, sends the next plan, and only then ships the outputs to the API servers, so that
+encoding them overlaps the workers' forward pass. With nothing to do it blocks on its inbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from pagedllm.node import ipc, messages
+from pagedllm.node.child_process import setup_child
+from pagedllm.node.config import EngineConfig
+from pagedllm.node.engine import scheduler_config
+from pagedllm.node.messages import (
+    AbortRequest,
+    AddRequest,
+    ProcessReady,
+    RequestOutputs,
+    RequestRejected,
+    StopSequence,
+    WorkerReady,
+)
+from pagedllm.node.metrics import SchedulerMetrics
+from pagedllm.node.request_delta import RequestDelta
+from pagedllm.node.scheduler import Scheduler
+from pagedllm.node.step_plan import StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+WHERE = "scheduler"
+
+
+@dataclass
+class SchedulerSpec:
+    config: EngineConfig
+    eos_token_ids: tuple[int, ...]
+    ipc_paths: ipc.IpcPaths
+    api_server_count: int
+    max_waiting: int | None
+    model_name: str
+    log_level: str
+    parent_pid: int
+
+
+def run_scheduler(spec: SchedulerSpec) -> None:
+    setup_child("scheduler", spec.log_level, spec.parent_pid)
+    try:
+        SchedulerLoop(spec).run()
+    except Exception:
+        log.exception("scheduler failed")
+        sys.exit(1)
+
+
+class SchedulerLoop:
+    def __init__(self, spec: SchedulerSpec) -> None:
+        self.spec = spec
+        paths = spec.ipc_paths
+        ctx = zmq.Context()
+        self.requests = ipc.pull(ctx, paths.requests)
+        self.results = ipc.pull(ctx, paths.results)
+        self.workers = [
+            ipc.push(ctx, paths.plans(rank))
+            for rank in range(spec.config.tensor_parallel_size)
+        ]
+        self.api_servers = [ipc.push(ctx, paths.api(i)) for i in range(spec.api_server_count)]
+        self.control = ipc.push(ctx, paths.control)
+        self.poller = zmq.Poller()
+        self.poller.register(self.requests, zmq.POLLIN)
+        self.poller.register(self.results, zmq.POLLIN)
+        # request id -> index of the API server that gets its outputs
+        self.clients: dict[str, int] = {}
+        self._plan_sent = 0.0
+        self.metrics = SchedulerMetrics(spec.model_name)
+        ready = self._wait_for_workers()
+        self.scheduler = Scheduler(
+            scheduler_config(spec.config, ready.num_blocks, ready.max_model_len)
+        )
+        self.metrics.set_capacity(ready.num_blocks)
+
+    def _wait_for_workers(self) -> WorkerReady:
+        while True:
+            message = ipc.parse(self.results.recv(), WHERE)
+            if isinstance(message, WorkerReady):
+                return message
+
+    def run(self) -> None:
+        ipc.send(self.control, ProcessReady("scheduler", 0))
+        log.info("ready: %d KV blocks", self.scheduler.config.num_blocks)
+        plan: StepPlan | None = None
+        while True:
+            if plan is None:
+                if not self.scheduler.has_work():
+                    self.metrics.observe(self.scheduler.stats())
+                    self._receive(block=True)
+                self._receive(block=False)
+                plan = self._send_plan()
+            result = self._await_result(plan.step_id)
+            deltas = self.scheduler.update(plan, result)
+            self._receive(block=False)
+            plan = self._send_plan() if self.scheduler.has_work() else None
+            self._send_outputs(deltas)
+            self.metrics.observe(self.scheduler.stats())
+
+    def _send_plan(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        data = messages.encode(plan)
+        for worker in self.workers:
+            worker.send(data, copy=False)
+        self._plan_sent = time.perf_counter()
+        return plan
+
+    def _await_result(self, step_id: int) -> StepResult:
+        """Rank 0's result for ``step_id``; requests arriving meanwhile are taken in."""
+        while True:
+            ready = dict(self.poller.poll())
+            if self.requests in ready:
+                self._receive(block=False)
+            if self.results in ready:
+                message = ipc.parse(self.results.recv(), WHERE)
+                if isinstance(message, StepResult) and message.step_id == step_id:
+                    self.metrics.observe_step(time.perf_counter() - self._plan_sent)
+                    return message
+                if message is not None:
+                    log.warning("ignored an unexpected %s from the workers",
+                                type(message).__name__)
+
+    def _receive(self, block: bool) -> None:
+        """Take in what the API servers sent: everything queued, after waiting for the first
+        message when ``block``."""
+        flags = 0 if block else zmq.NOBLOCK
+        while True:
+            try:
+                data = self.requests.recv(flags)
+            except zmq.Again:
+                return
+            flags = zmq.NOBLOCK
+            message = ipc.parse(data, WHERE)
+            if isinstance(message, AddRequest):
+                self._add(message)
+            elif isinstance(message, AbortRequest):
+                if self.scheduler.abort(message.request_id):
+                    self.clients.pop(message.request_id, None)
+            elif isinstance(message, StopSequence):
+                final = self.scheduler.stop_sequence(
+                    message.request_id, message.index, message.stop
+                )
+                if final is not None:
+                    self._send_outputs([final])
+            elif message is not None:
+                log.warning("ignored a %s message from an API server", type(message).__name__)
+
+    def _add(self, message: AddRequest) -> None:
+        if not 0 <= message.client_index < len(self.api_servers):
+            log.warning("dropped request %r from unknown API server %d", message.request_id,
+                        message.client_index)
+            return
+        client = self.api_servers[message.client_index]
+        limit = self.spec.max_waiting
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            ipc.send(client, RequestRejected(
+                message.request_id, 503,
+                f"the server is busy: {len(self.scheduler.waiting)} requests are already "
+                f"waiting (--max-waiting {limit}); retry later",
+            ))
+            return
+        try:
+            self.scheduler.add_request(
+                message.request_id, message.prompt_token_ids, message.params,
+                self.spec.eos_token_ids, message.arrival_time,
+            )
+        except ValueError as error:
+            ipc.send(client, RequestRejected(message.request_id, 400, str(error)))
+            return
+        self.clients[message.request_id] = message.client_index
+
+    def _send_outputs(self, deltas: list[RequestDelta]) -> None:
+        by_client: dict[int, list[RequestDelta]] = {}
+        for delta in deltas:
+            index = (self.clients.pop(delta.request_id, None) if delta.finished
+                     else self.clients.get(delta.request_id))
+            if index is not None:
+                by_client.setdefault(index, []).append(delta)
+        for index, batch in by_client.items():
+            ipc.send(self.api_servers[index], RequestOutputs(batch))

@@ -1,0 +1,86 @@
+"""A worker process: one tensor-parallel rank's weights and KV cache, executing step plans.
+
+Every rank receives the same plans in the same order from the scheduler and runs the same
+forward pass (the ranks meet in all-reduces); only rank 0 samples and answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import zmq
+
+from pagedllm.node import ipc
+from pagedllm.node.child_process import setup_child
+from pagedllm.node.config import EngineConfig
+from pagedllm.node.messages import ProcessReady, WorkerReady
+from pagedllm.node.step_plan import StepPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    config: EngineConfig
+    model_dir: str
+    rank: int
+    ipc_paths: ipc.IpcPaths
+    log_level: str
+    parent_pid: int
+
+
+def torch_threads(tp_size: int) -> int:
+    """The machine's cores shared among the ranks: the workers are where compute happens."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // tp_size)
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    setup_child(f"worker {spec.rank}", spec.log_level, spec.parent_pid)
+    try:
+        _serve(spec)
+    except Exception:
+        log.exception("worker %d failed", spec.rank)
+        sys.exit(1)
+
+
+def _serve(spec: WorkerSpec) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from pagedllm.node.model_runner import ModelRunner, resolve_device
+
+    config, rank, tp_size = spec.config, spec.rank, spec.config.tensor_parallel_size
+    torch.set_num_threads(torch_threads(tp_size))
+    device = resolve_device(config.device)
+    if tp_size > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"file://{spec.ipc_paths.dist_init_file}",
+            rank=rank,
+            world_size=tp_size,
+        )
+    runner = ModelRunner(config, spec.model_dir, tp_rank=rank, tp_size=tp_size)
+    paths = spec.ipc_paths
+    ctx = zmq.Context()
+    plans = ipc.pull(ctx, paths.plans(rank))
+    results = ipc.push(ctx, paths.results) if rank == 0 else None
+    if results is not None:
+        ipc.send(results, WorkerReady(rank, runner.num_blocks, runner.max_model_len))
+    ipc.send(ipc.push(ctx, paths.control), ProcessReady("worker", rank))
+    log.info("ready: %d KV blocks, max_model_len %d", runner.num_blocks, runner.max_model_len)
+    where = f"worker {rank}"
+    while True:
+        plan = ipc.parse(plans.recv(copy=False).bytes, where)
+        if not isinstance(plan, StepPlan):
+            if plan is not None:
+                log.warning("%s: ignored a %s message", where, type(plan).__name__)
+            continue
+        result = runner.execute(plan)
+        if results is not None:
+            ipc.send(results, result)

@@ -1,0 +1,381 @@
+"""The Triton kernels agree with their pure-torch references.
+
+They run on CUDA when there is a GPU, else on CPU tensors through Triton's interpreter
+(``pagedllm.kernels.triton_device`` sets ``TRITON_INTERPRET=1`` before triton is imported, so a
+plain ``pytest tests/test_kernels.py`` works). bf16 differs between the two: on CUDA the
+kernel multiplies bf16 on the tensor cores; the interpreter keeps bf16 as raw 16-bit integers,
+so there the kernel upcasts K, V and Q to fp32 before its dots, and rounds bf16 results by
+truncation rather than to nearest even.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pagedllm.kernels import kernel_ops, reference, triton_ops
+from pagedllm.kernels.triton_device import is_interpreting, triton
+from pagedllm.kernels.unified_attention import choose_num_kv_splits, unified_attention
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.filterwarnings(
+    # triton 3.5's interpreter turns 1-element arrays into ints the way numpy 1.25 deprecated.
+    "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
+)
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
+@pytest.fixture(autouse=True)
+def interpreter_compatible_numpy():
+    if not is_interpreting():
+        return
+    import numpy
+
+    if _version(numpy.__version__) >= (2, 4) and _version(triton.__version__) <= (3, 5):
+        pytest.fail(
+            f"triton {triton.__version__}'s interpreter converts 1-element arrays with int(), "
+            f"which numpy {numpy.__version__} refuses (triton-lang/triton#9171): "
+            "install numpy<2.4",
+            pytrace=False,
+        )
+
+
+# (atol, rtol) of an attention output against the fp32 reference. fp32: summation order only.
+# fp16: the output is rounded to fp16 (2^-11 relative) and the softmax weights are rounded to
+# fp16 before the PV product. bf16: 2^-8 relative rounding of output and weights, twice that
+# where the interpreter truncates.
+TOLERANCES = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+DTYPES = list(TOLERANCES)
+HEAD_DIMS = (64, 80, 96, 128, 256)
+BLOCK_SIZES = (8, 16, 32, 64)
+# (num_heads, num_kv_heads): multi-head, grouped-query (power of two and not), multi-query.
+HEAD_RATIOS = ((4, 4), (8, 2), (6, 2), (4, 1))
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    sliding_window: int | None = None
+
+
+@dataclass
+class PagedBatch:
+    """A batch as the engine lays it out, plus what the reference needs to read it.
+
+    Slots that hold no token (the tails of last blocks) and the block that unused block-table
+    entries point at are filled with NaN: a kernel that reads them poisons its output. The
+    reference gathers whole blocks, so it is given the caches with that NaN zeroed.
+    """
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens_k: torch.Tensor
+    scale: float
+
+    def run_triton(self, case: AttentionCase, num_kv_splits: int | None = None) -> torch.Tensor:
+        if num_kv_splits is None:
+            return triton_ops.paged_attention(
+                self.q,
+                self.k_cache,
+                self.v_cache,
+                self.block_tables,
+                self.cu_seqlens_q,
+                self.seq_lens_k,
+                self.scale,
+                sliding_window=case.sliding_window,
+                max_seqlen_q=max(case.q_lens),
+                max_seqlen_k=max(case.kv_lens),
+            )
+        return unified_attention(
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.cu_seqlens_q,
+            self.seq_lens_k,
+            self.scale,
+            case.sliding_window,
+            max(case.q_lens),
+            num_kv_splits,
+        )
+
+    def run_reference(self, case: AttentionCase) -> torch.Tensor:
+        return reference.paged_attention(
+            self.q,
+            self.k_cache.nan_to_num(0.0),
+            self.v_cache.nan_to_num(0.0),
+            self.block_tables,
+            self.cu_seqlens_q,
+            self.seq_lens_k,
+            self.scale,
+            sliding_window=case.sliding_window,
+        )
+
+
+def build_batch(case: AttentionCase, rng: random.Random) -> PagedBatch:
+    """Random K/V in shuffled physical blocks; later sequences share earlier ones' full blocks."""
+    block_size = case.block_size
+    blocks_needed = [math.ceil(n / block_size) for n in case.kv_lens]
+    num_blocks = sum(blocks_needed) + 2
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    poison = free.pop()
+    max_blocks = max(blocks_needed) + 1
+    tables: list[list[int]] = []
+    for seq, kv_len in enumerate(case.kv_lens):
+        table: list[int] = []
+        if seq > 0 and rng.random() < 0.5:
+            # A shared prefix (prefix cache or fork): only blocks full in both sequences.
+            donor = rng.randrange(seq)
+            shareable = min(kv_len, case.kv_lens[donor]) // block_size
+            table = tables[donor][: rng.randint(0, shareable)]
+        table += [free.pop() for _ in range(blocks_needed[seq] - len(table))]
+        tables.append(table + [poison] * (max_blocks - len(table)))
+
+    generator = torch.Generator().manual_seed(rng.randrange(2**31))
+    shape = (num_blocks, block_size, case.num_kv_heads, case.head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(case.dtype)
+    v_cache = torch.randn(shape, generator=generator).to(case.dtype)
+    for cache in (k_cache, v_cache):
+        cache[poison] = float("nan")
+        for table, kv_len in zip(tables, case.kv_lens, strict=True):
+            if kv_len % block_size:
+                cache[table[kv_len // block_size], kv_len % block_size :] = float("nan")
+
+    num_tokens = sum(case.q_lens)
+    cu_seqlens_q = [0]
+    for q_len in case.q_lens:
+        cu_seqlens_q.append(cu_seqlens_q[-1] + q_len)
+    return PagedBatch(
+        q=torch.randn(num_tokens, case.num_heads, case.head_dim, generator=generator)
+        .to(case.dtype)
+        .to(DEVICE),
+        k_cache=k_cache.to(DEVICE),
+        v_cache=v_cache.to(DEVICE),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=DEVICE),
+        cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=DEVICE),
+        seq_lens_k=torch.tensor(case.kv_lens, dtype=torch.int32, device=DEVICE),
+        scale=case.head_dim**-0.5,
+    )
+
+
+def random_sequences(rng: random.Random, block_size: int) -> tuple[list[int], list[int]]:
+    """A mixed batch: decodes, prefill chunks after a cached context, fresh prefills.
+
+    Lengths run from one token to several blocks and hit exact multiples of the block size.
+    """
+    q_lens, kv_lens = [], []
+    for _ in range(rng.randint(2, 5)):
+        kind = rng.choice(("decode", "chunk", "prefill"))
+        if rng.random() < 0.3:
+            kv_len = block_size * rng.randint(1, 3)
+        else:
+            kv_len = rng.randint(1, 3 * block_size + 5)
+        q_len = {
+            "decode": 1,
+            "chunk": min(kv_len, rng.randint(2, 24)),
+            "prefill": min(kv_len, 40),
+        }[kind]
+        q_lens.append(q_len)
+        kv_lens.append(kv_len)
+    return q_lens, kv_lens
+
+
+def randomized_cases(count: int) -> list[AttentionCase]:
+    """Every head dim meets every block size once; dtypes and head ratios rotate through."""
+    cases = []
+    for index in range(count):
+        rng = random.Random(index)
+        block_size = BLOCK_SIZES[index % len(BLOCK_SIZES)]
+        num_heads, num_kv_heads = HEAD_RATIOS[index // 5 % len(HEAD_RATIOS)]
+        q_lens, kv_lens = random_sequences(rng, block_size)
+        cases.append(
+            AttentionCase(
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=HEAD_DIMS[index % len(HEAD_DIMS)],
+                block_size=block_size,
+                dtype=DTYPES[index % len(DTYPES)],
+                q_lens=tuple(q_lens),
+                kv_lens=tuple(kv_lens),
+                sliding_window=rng.choice((None, None, None, 1, 9, block_size)),
+            )
+        )
+    return cases
+
+
+def case_id(case: AttentionCase) -> str:
+    window = f"-window{case.sliding_window}" if case.sliding_window else ""
+    return (
+        f"{str(case.dtype).removeprefix('torch.')}-h{case.num_heads}kv{case.num_kv_heads}"
+        f"-d{case.head_dim}-bs{case.block_size}-q{'_'.join(map(str, case.q_lens))}"
+        f"-k{'_'.join(map(str, case.kv_lens))}{window}"
+    )
+
+
+def assert_attention_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype):
+    atol, rtol = TOLERANCES[dtype]
+    assert actual.dtype == expected.dtype
+    assert torch.isfinite(actual).all(), "the kernel read a slot that holds no token"
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+RANDOMIZED_CASES = randomized_cases(20)
+
+
+@pytest.mark.parametrize("case", RANDOMIZED_CASES, ids=case_id)
+def test_paged_attention_matches_reference(case: AttentionCase):
+    batch = build_batch(case, random.Random(case_id(case)))
+    assert_attention_close(batch.run_triton(case), batch.run_reference(case), case.dtype)
+
+
+DECODE_CASES = [
+    # Few sequences with long contexts: the shape flash-decoding is for.
+    AttentionCase(8, 2, 128, 16, torch.float16, (1, 1, 1), (300, 129, 64)),
+    AttentionCase(4, 1, 64, 8, torch.bfloat16, (1, 1), (200, 1)),
+    AttentionCase(4, 4, 96, 32, torch.float32, (1, 1, 1, 1), (96, 97, 5, 160)),
+    # The kernel also splits mixed batches; the engine only asks it to for decodes.
+    AttentionCase(6, 2, 80, 16, torch.float16, (1, 17, 3), (150, 40, 3)),
+]
+
+
+@pytest.mark.parametrize("num_kv_splits", (2, 3, 8))
+@pytest.mark.parametrize("case", DECODE_CASES, ids=case_id)
+def test_split_kv_matches_reference(case: AttentionCase, num_kv_splits: int):
+    """More splits than key tiles leaves some splits empty; the merge must ignore them."""
+    batch = build_batch(case, random.Random(case_id(case)))
+    expected = batch.run_reference(case)
+    assert_attention_close(batch.run_triton(case, num_kv_splits), expected, case.dtype)
+
+
+@pytest.mark.parametrize("num_kv_splits", (1, 4))
+@pytest.mark.parametrize("sliding_window", (1, 7, 16, 45))
+def test_sliding_window_matches_reference(sliding_window: int, num_kv_splits: int):
+    case = AttentionCase(
+        4, 2, 64, 16, torch.float16, (1, 30, 1, 12), (90, 70, 16, 12), sliding_window
+    )
+    batch = build_batch(case, random.Random(sliding_window))
+    expected = batch.run_reference(case)
+    assert_attention_close(batch.run_triton(case, num_kv_splits), expected, case.dtype)
+
+
+def test_paged_attention_without_max_seqlens_reads_them_from_the_batch():
+    case = AttentionCase(4, 2, 64, 16, torch.float16, (1, 9), (33, 20))
+    batch = build_batch(case, random.Random(0))
+    out = triton_ops.paged_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.cu_seqlens_q,
+        batch.seq_lens_k,
+        batch.scale,
+    )
+    assert_attention_close(out, batch.run_reference(case), case.dtype)
+
+
+def test_split_kv_is_chosen_only_for_decode_batches_that_leave_multiprocessors_idle():
+    h200 = 132
+    assert choose_num_kv_splits(1, 8, 1, 8192, h200) > 1
+    assert choose_num_kv_splits(4, 8, 1, 2048, h200) > 1
+    assert choose_num_kv_splits(32, 8, 1, 8192, h200) == 1
+    assert choose_num_kv_splits(1, 8, 1, 300, h200) == 1
+    assert choose_num_kv_splits(1, 8, 512, 8192, h200) == 1
+
+
+@pytest.mark.parametrize(
+    "key_dtype, cache_dtype", [(d, d) for d in DTYPES] + [(torch.float32, torch.float16)]
+)
+def test_write_kv_matches_reference(key_dtype: torch.dtype, cache_dtype: torch.dtype):
+    num_tokens, num_heads, num_kv_heads, head_dim, block_size, num_blocks = 13, 6, 3, 80, 16, 5
+    generator = torch.Generator().manual_seed(0)
+    # K and V come out of a fused QKV projection: views with a token stride wider than a row.
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=generator)
+    qkv = qkv.to(key_dtype).to(DEVICE)
+    key = qkv[:, num_heads : num_heads + num_kv_heads]
+    value = qkv[:, num_heads + num_kv_heads :]
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    slots[[2, 7, 8]] = -1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(cache_dtype).to(DEVICE)
+    v_cache = torch.randn(shape, generator=generator).to(cache_dtype).to(DEVICE)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+
+    triton_ops.write_kv(key, value, k_cache, v_cache, slots.to(DEVICE))
+    reference.write_kv(key, value, expected_k, expected_v, slots.to(DEVICE))
+
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+def make_layers(
+    num_layers: int, dtype: torch.dtype, num_blocks: int = 8
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    # One allocation for all layers, K and V of a block side by side, as an engine may lay
+    # them out: each cache is a strided view whose blocks are still contiguous.
+    stacked = torch.randn(num_layers, num_blocks, 2, 16, 2, 64, generator=generator)
+    stacked = stacked.to(dtype).to(DEVICE)
+    return [(stacked[layer, :, 0], stacked[layer, :, 1]) for layer in range(num_layers)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_copies_every_layer_like_the_reference(dtype: torch.dtype):
+    layers = make_layers(3, dtype)
+    expected = [(k.clone(), v.clone()) for k, v in layers]
+    # A block shared by two forks is copied twice; 6 -> 0 copies downwards.
+    pairs = torch.tensor([[2, 5], [2, 7], [6, 0]], dtype=torch.int32, device=DEVICE)
+
+    triton_ops.copy_blocks(layers, pairs)
+    reference.copy_blocks(expected, pairs)
+
+    for (k, v), (expected_k, expected_v) in zip(layers, expected, strict=True):
+        assert torch.equal(k, expected_k)
+        assert torch.equal(v, expected_v)
+
+
+def test_copy_blocks_without_pairs_changes_nothing():
+    layers = make_layers(2, torch.float16)
+    before = [(k.clone(), v.clone()) for k, v in layers]
+    triton_ops.copy_blocks(layers, torch.empty(0, 2, dtype=torch.int64, device=DEVICE))
+    for (k, v), (k_before, v_before) in zip(layers, before, strict=True):
+        assert torch.equal(k, k_before) and torch.equal(v, v_before)
+
+
+def test_copy_blocks_refuses_caches_of_different_layouts():
+    (k, v), *_ = make_layers(1, torch.float16)
+    other = torch.zeros(8, 16, 2, 32, dtype=torch.float16, device=DEVICE)
+    pairs = torch.tensor([[0, 1]], device=DEVICE)
+    with pytest.raises(ValueError, match="one dtype, shape and strides"):
+        triton_ops.copy_blocks([(k, v), (other, other)], pairs)
+
+
+def test_kernels_run_compiled_on_a_gpu_and_interpreted_without_one():
+    assert kernel_ops("triton", DEVICE) is triton_ops
+    if DEVICE.type == "cuda":
+        assert not is_interpreting()
+    else:
+        assert is_interpreting()
+        assert os.environ["TRITON_INTERPRET"] == "1"
