@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,24 +15,14 @@ from pagedllm.node.config import EngineConfig
 from pagedllm.node.model_loader import load_model
 from pagedllm.node.sampler import SampleRow, sample
 from pagedllm.node.step_plan import (
+    NewSequence,
     PromptLogprobs,
-    SamplingSpec,
     SeqSample,
     StepPlan,
     StepResult,
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerSequence:
-    token_ids: list[int]
-    prompt_len: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    num_kv_tokens: int
-    sampling: SamplingSpec
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,7 +65,7 @@ class ModelRunner:
             mc.num_hidden_layers, self.num_blocks, self.block_size, self.num_kv_heads,
             mc.head_dim, self.dtype, self.device,
         )
-        self.seqs: dict[int, WorkerSequence] = {}
+        self.seqs: dict[int, NewSequence] = {}
         log.info("KV cache: %d blocks of %d tokens (%d bytes)", self.num_blocks,
                  self.block_size, memory)
 
@@ -136,9 +126,9 @@ class ModelRunner:
         for seq_id in plan.finished:
             self.seqs.pop(seq_id, None)
         for new in plan.new:
-            self.seqs[new.seq_id] = WorkerSequence(
-                list(new.token_ids), new.prompt_len, list(new.block_ids),
-                new.num_computed_tokens, new.num_kv_tokens, new.sampling,
+            # The worker's own copy: later plans only send what changes.
+            self.seqs[new.seq_id] = dataclasses.replace(
+                new, token_ids=list(new.token_ids), block_ids=list(new.block_ids)
             )
         for update in plan.running:
             seq = self.seqs[update.seq_id]
@@ -164,8 +154,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []  # row in the batch whose logits are sampled
-        sampled: list[tuple[int, WorkerSequence]] = []
-        prompt_rows: list[tuple[int, WorkerSequence, int, int, int]] = []  # id, seq, row, pos, n
+        sampled: list[tuple[int, NewSequence]] = []
+        prompt_rows: list[tuple[int, NewSequence, int, int, int]] = []  # id, seq, row, pos, n
         for seq_id, n in plan.scheduled:
             seq = self.seqs[seq_id]
             start = seq.num_computed_tokens
@@ -228,7 +218,7 @@ class ModelRunner:
 
 
 def _prompt_logprobs(
-    seq_id: int, seq: WorkerSequence, logits: torch.Tensor, start: int
+    seq_id: int, seq: NewSequence, logits: torch.Tensor, start: int
 ) -> PromptLogprobs:
     """Log probabilities of the prompt tokens after positions ``start .. start + len - 1``."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
