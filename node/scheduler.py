@@ -69,7 +69,8 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._step_ids = itertools.count()
         self._gone_from_workers: list[int] = []
-        self._errored: list[RequestDelta] = []
+        # Deltas produced outside update() (unservable requests, beams settled at schedule).
+        self._pending_deltas: list[RequestDelta] = []
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -102,7 +103,7 @@ class Scheduler:
             request.error = error
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason.ERROR
-            self._errored.append(self._final_delta(request))
+            self._pending_deltas.append(self._final_delta(request))
             return
         self.requests[request_id] = request
         self.waiting.append(seq)
@@ -147,7 +148,7 @@ class Scheduler:
         return delta
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._errored)
+        return bool(self.waiting or self.running or self._pending_deltas)
 
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
@@ -165,6 +166,7 @@ class Scheduler:
     # ----- scheduling ----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        self._settle_beams()
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
@@ -207,15 +209,6 @@ class Scheduler:
                 self.prompt_tokens += request.prompt_len
             scheduled.append((seq, num_new))
             budget -= num_new
-        if not scheduled and self.waiting and self.running:
-            # Everything running waits on something (beam siblings that were preempted) and
-            # the queue's head cannot get blocks: make room from the newest, sending it to
-            # the back so the head goes first.
-            victim = self.running.pop()
-            self._preempt(victim)
-            self.waiting.remove(victim)
-            self.waiting.append(victim)
-            return self.schedule()
         return self._plan(scheduled)
 
     def _plan(self, scheduled: list[tuple[Sequence, int]]) -> StepPlan:
@@ -350,7 +343,7 @@ class Scheduler:
         for request in touched.values():
             if request.params.use_beam_search:
                 self._beam_step(request)
-        deltas, self._errored = self._errored, []
+        deltas, self._pending_deltas = self._pending_deltas, []
         for request in touched.values():
             deltas.append(self._delta(request, reported))
         return deltas
@@ -415,6 +408,16 @@ class Scheduler:
         self._append(seq, sample, 0)
 
     # ----- beam search ---------------------------------------------------------------------
+
+    def _settle_beams(self) -> None:
+        """Run beam selection for searches whose unfinished siblings were preempted since."""
+        pending = {
+            s.request.request_id: s.request for s in self.running if s.beam_candidates is not None
+        }
+        for request in pending.values():
+            self._beam_step(request)
+            if not request.seqs:
+                self._pending_deltas.append(self._delta(request, {}))
 
     def _beam_step(self, request: Request) -> None:
         live = [s for s in request.seqs if s.status == SequenceStatus.RUNNING]

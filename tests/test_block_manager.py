@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+from fake_worker import FakeWorker
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fake_worker import FakeWorker
 from pagedllm.node.block_manager import BlockManager
 from pagedllm.node.sampling_params import SamplingParams
 from pagedllm.node.scheduler import Scheduler, SchedulerConfig
@@ -103,7 +103,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 
 
 def _request(prompt: list[int], params: SamplingParams) -> Request:
