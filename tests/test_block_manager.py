@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
+import pytest
 from fake_worker import FakeWorker
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -159,3 +161,29 @@ def test_fork_shares_and_copy_on_write_copies_partial_block() -> None:
     parent.token_ids.append(7)
     assert bm.allocate(parent, 1)  # now the only holder: writes in place
     assert bm.take_copies() == []
+
+
+@pytest.mark.parametrize("block", range(4))
+def test_random_traces_drain_completely(block: int) -> None:
+    # Long random traces (many requests on a tiny cache, beams among them) reach corners
+    # such as a beam search whose siblings are preempted between its steps.
+    for trial in range(block * 150, (block + 1) * 150):
+        rng = random.Random(trial)
+        machine = SchedulerMachine()
+        for _ in range(rng.randint(1, 25)):
+            roll = rng.random()
+            if roll < 0.5:
+                machine.add(
+                    prompt=[rng.randint(1, 5) for _ in range(rng.randint(1, 30))],
+                    n=rng.randint(1, 3),
+                    beam=rng.random() < 0.4,
+                    max_tokens=rng.randint(1, 12),
+                )
+            elif roll < 0.65 and machine.live:
+                request_id = rng.choice(sorted(machine.live))
+                machine.scheduler.abort(request_id)
+                machine.live.discard(request_id)
+            else:
+                machine.step(rng.randint(1, 6))
+            machine.accounting()
+        machine.teardown()
