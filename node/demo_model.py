@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 CACHE_DIR_ENV = "PAGEDLLM_CACHE_DIR"
-DEMO_MODEL_DIR_NAME = "demo-model"
+# Bumped whenever the recipe changes, so an old cached copy is not reused.
+DEMO_MODEL_DIR_NAME = "demo-model-v1"
 SEED = 0
 INIT_STD = 0.02
 BOS_TOKEN = "<|begin_of_text|>"

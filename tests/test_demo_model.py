@@ -7,12 +7,13 @@ from pathlib import Path
 import jinja2
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from pagedllm.node import demo_model
 from pagedllm.node.attention_metadata import AttentionMetadata
-from pagedllm.node.demo_model import demo_model_dir, write_demo_model
+from pagedllm.node.demo_model import DEMO_MODEL_DIR_NAME, demo_model_dir, write_demo_model
 from pagedllm.node.model_config import read_model_config
 from pagedllm.node.model_loader import load_model, load_tokenizer
-from transformers import AutoModelForCausalLM
 
 BLOCK_SIZE = 16
 
@@ -125,15 +126,15 @@ def test_demo_model_dir_is_created_once_under_the_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(demo_model, "write_demo_model", counting_write)
     first = demo_model_dir()
     second = demo_model_dir()
-    assert first == second == tmp_path / "demo-model"
+    assert first == second == tmp_path / DEMO_MODEL_DIR_NAME
     assert len(writes) == 1
     assert (first / "model.safetensors").is_file()
-    assert [path.name for path in tmp_path.iterdir()] == ["demo-model"]
+    assert [path.name for path in tmp_path.iterdir()] == [DEMO_MODEL_DIR_NAME]
 
 
 def test_demo_model_dir_keeps_the_copy_of_a_process_that_won_the_race(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
-    winner = tmp_path / "demo-model"
+    winner = tmp_path / DEMO_MODEL_DIR_NAME
 
     def write_while_another_process_finishes_first(directory: Path) -> Path:
         winner.mkdir()
@@ -143,4 +144,4 @@ def test_demo_model_dir_keeps_the_copy_of_a_process_that_won_the_race(monkeypatc
     monkeypatch.setattr(demo_model, "write_demo_model", write_while_another_process_finishes_first)
     assert demo_model_dir() == winner
     assert (winner / "config.json").read_text() == "{}"
-    assert [path.name for path in tmp_path.iterdir()] == ["demo-model"]
+    assert [path.name for path in tmp_path.iterdir()] == [DEMO_MODEL_DIR_NAME]
