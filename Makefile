@@ -27,10 +27,10 @@ serve: install
 
 test: install-test
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 e2e: install-test
-	$(BIN)/python -m pytest -q e2e $(PYTEST_ARGS)
+	$(BIN)/pytest -q e2e $(PYTEST_ARGS)
 
 lint: install-test
 	$(BIN)/ruff check .

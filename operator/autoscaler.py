@@ -1,0 +1,114 @@
+"""The built-in autoscaler's decision (pure): per-pod LLM load in, replicas out.
+
+Like a HorizontalPodAutoscaler on a pods metric: desired = ceil(total load / target), within
+[minReplicas, maxReplicas], ignoring changes within a 10 % tolerance. Up at once; down only to
+the highest recommendation of the last scaleDownDelaySeconds, and only once that much load
+history has been seen (so a restarted operator does not scale down on its first look).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagedllm.operator.spec import AutoscalingSpec
+
+TOLERANCE = 0.1
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    at: float
+    replicas: int
+
+
+@dataclass(frozen=True)
+class AutoscalerState:
+    observing_since: float | None = None
+    recommendations: tuple[Recommendation, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    # Average of the metric over the ready pods that answered; None without any.
+    average: float | None
+    explanation: str
+
+    def changes(self, current: int) -> bool:
+        return self.replicas != current
+
+
+def recommend(current: int, per_pod: Sequence[float], scaling: AutoscalingSpec) -> int:
+    total = sum(per_pod)
+    average = total / len(per_pod)
+    if current > 0 and abs(average / scaling.target - 1) <= TOLERANCE:
+        wanted = current
+    else:
+        wanted = math.ceil(total / scaling.target - 1e-9)
+    return min(max(wanted, scaling.min_replicas), scaling.max_replicas)
+
+
+def decide(state: AutoscalerState, *, current: int, ready: int, per_pod: Sequence[float],
+           scaling: AutoscalingSpec, now: float) -> tuple[Decision, AutoscalerState]:
+    """`per_pod`: the metric of each ready pod that answered; `ready`: how many pods are
+    ready (some may not have answered)."""
+    bounded = min(max(current, scaling.min_replicas), scaling.max_replicas)
+    if not per_pod:
+        # Nothing to measure: either scaled to zero (only /scale brings it back) or all pods
+        # are still starting. Hold, except to bring replicas back within bounds.
+        explanation = "no ready pod reported metrics"
+        return Decision(bounded, None, explanation), AutoscalerState()
+
+    average = sum(per_pod) / len(per_pod)
+    recommended = recommend(current, per_pod, scaling)
+    window = scaling.scale_down_delay_seconds
+    observing_since = state.observing_since if state.observing_since is not None else now
+    history = tuple(r for r in state.recommendations if r.at > now - window)
+    history += (Recommendation(now, recommended),)
+    new_state = AutoscalerState(observing_since, history)
+
+    load = (f"average {scaling.metric.value} {average:.2f} per ready pod over {len(per_pod)} "
+            f"pod(s), target {scaling.target:g}")
+    if recommended > bounded:
+        return Decision(recommended, average, f"{load}: scaling up"), new_state
+    seen_full_window = now - observing_since >= window
+    # Pods still starting would read as idle; only a settled deployment may shrink.
+    settled = ready >= current
+    highest = max(r.replicas for r in history)
+    if highest < bounded and seen_full_window and settled:
+        return Decision(highest, average,
+                        f"{load}: lower for {window}s, scaling down"), new_state
+    return Decision(bounded, average, load), new_state
+
+
+def parse_prometheus_value(text: str, metric_name: str) -> float | None:
+    """Sum of the samples of one metric in Prometheus text exposition (None if absent)."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name_end = len(line)
+        for stop in ("{", " "):
+            position = line.find(stop)
+            if position != -1:
+                name_end = min(name_end, position)
+        if line[:name_end] != metric_name:
+            continue
+        rest = line[name_end:]
+        if rest.startswith("{"):
+            rest = rest[rest.rfind("}") + 1:]
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            value = float(parts[0])
+        except ValueError:
+            continue
+        if math.isnan(value):
+            continue
+        total += value
+        found = True
+    return total if found else None

@@ -1,0 +1,157 @@
+"""kopf's entry points: settings, login, and the handlers that call reconcile/autoscale."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import httpx
+import kopf
+
+from pagedllm.operator.children import LABEL_MANAGED_BY, OPERATOR_NAME
+from pagedllm.operator.config import OperatorConfig
+from pagedllm.operator.kube import ApiError, KubeClient
+from pagedllm.operator.reconcile import OperatorContext, reconcile
+from pagedllm.operator.spec import GROUP, KIND, PLURAL, VERSION, InvalidSpec
+
+DOMAIN = GROUP  # kopf's annotations and finalizer live under our own domain
+MANAGED = {LABEL_MANAGED_BY: OPERATOR_NAME}
+
+logger = logging.getLogger(__name__)
+
+
+def _login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo | None:
+    return (kopf.login_with_service_account(settings=settings)
+            or kopf.login_with_kubeconfig(settings=settings))
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    config = OperatorConfig.from_env()
+    settings.persistence.finalizer = f"{DOMAIN}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=DOMAIN)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=DOMAIN, key="last-handled-configuration")
+    # kopf's per-handler messages stay in the log; the operator posts its own Events.
+    settings.posting.enabled = False
+    # One replica (Recreate) by design: no peering objects needed.
+    settings.peering.standalone = True
+    # Every API call at INFO would drown the operator's own log lines.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    settings.watching.server_timeout = config.watch_timeout_seconds
+    settings.watching.client_timeout = config.watch_timeout_seconds + 30
+    settings.execution.default_backoff = config.backoff_seconds
+    memo.ctx = OperatorContext(config=config, kube=KubeClient(lambda: _login(settings)))
+
+
+@kopf.on.startup()
+async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+    memo.resync_task = asyncio.create_task(_resync_forever(memo.ctx), name="pagedllm-resync")
+
+
+@kopf.on.login()
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
+    return _login(settings)
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    memo.resync_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await memo.resync_task
+    await memo.ctx.kube.close()
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+async def reconcile_pagedllm(meta: kopf.Meta, retry: int, memo: kopf.Memo, **_: Any) -> None:
+    ctx: OperatorContext = memo.ctx
+    try:
+        await reconcile(ctx, meta["namespace"], meta["name"])
+    except InvalidSpec as error:
+        # Status and a Warning Event already say what is wrong; kopf retries with backoff.
+        ctx.backing_off.add(meta["uid"])
+        delay = ctx.config.backoff(retry)
+        raise kopf.TemporaryError(f"{error} (retrying in {delay:g}s)", delay=delay) from error
+    ctx.backing_off.discard(meta["uid"])
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def track(event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    """Remember which PagedLLMs this operator serves (kopf's namespace scope applies), for
+    the resync timer. An event handler needs no finalizer, unlike kopf's own timers and
+    daemons: deleting a PagedLLM never waits for the operator."""
+    ctx: OperatorContext = memo.ctx
+    if event.get("type") == "DELETED":
+        ctx.forget(meta["uid"])
+    else:
+        ctx.tracked[meta["uid"]] = (meta["namespace"], meta["name"])
+
+
+async def _resync_one(ctx: OperatorContext, uid: str, namespace: str, name: str) -> None:
+    if uid in ctx.backing_off:
+        return  # the change handler is retrying it with backoff
+    try:
+        await reconcile(ctx, namespace, name, autoscaling=True)
+    except InvalidSpec:
+        pass  # recorded in status and an Event
+    except (ApiError, httpx.HTTPError) as error:
+        logger.warning("resync of %s/%s failed, next try in %gs: %s", namespace, name,
+                       ctx.config.resync_seconds, error)
+    except Exception:
+        # One resource's surprise must not stop the timer for all the others.
+        logger.exception("resync of %s/%s failed", namespace, name)
+
+
+async def _resync_forever(ctx: OperatorContext) -> None:
+    """The timer: every resync period, reconcile and autoscale each served PagedLLM (the
+    level-based safety net: children deleted by hand, pods' state, the load)."""
+    while True:
+        await asyncio.sleep(ctx.config.resync_seconds)
+        await asyncio.gather(*(_resync_one(ctx, uid, namespace, name)
+                               for uid, (namespace, name) in list(ctx.tracked.items())))
+
+
+def _owner_name(meta: kopf.Meta) -> str | None:
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{GROUP}/"):
+            return ref.get("name")
+    return None
+
+
+async def _reconcile_owner(event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo,
+                           logger: logging.Logger) -> None:
+    """A child changed or vanished: reconcile its PagedLLM now instead of at the next resync."""
+    ctx: OperatorContext = memo.ctx
+    owner_name = _owner_name(meta)
+    if owner_name is None or event.get("type") is None:
+        return  # not ours, or the initial listing (the resume handlers cover that)
+    try:
+        await reconcile(ctx, meta["namespace"], owner_name)
+    except InvalidSpec:
+        pass  # recorded in status and an Event
+    except (ApiError, httpx.HTTPError) as error:
+        logger.warning("reconcile of %s after a child event failed: %s", owner_name, error)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+async def deployment_changed(event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo,
+                             logger: logging.Logger, **_: Any) -> None:
+    await _reconcile_owner(event, meta, memo, logger)
+
+
+@kopf.on.event("v1", "services", labels=MANAGED)
+async def service_changed(event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo,
+                          logger: logging.Logger, **_: Any) -> None:
+    if event.get("type") == "DELETED":
+        await _reconcile_owner(event, meta, memo, logger)
+
+
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
+async def disruption_budget_changed(event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo,
+                                    logger: logging.Logger, **_: Any) -> None:
+    if event.get("type") == "DELETED":
+        await _reconcile_owner(event, meta, memo, logger)

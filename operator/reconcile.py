@@ -1,0 +1,216 @@
+"""One level-based reconcile of a PagedLLM, and one autoscaler step (the I/O around the pure
+builders, status and autoscaler)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.operator.autoscaler import AutoscalerState, decide
+from pagedllm.operator.children import (
+    Owner,
+    build_children,
+    selector_string,
+    service_url,
+)
+from pagedllm.operator.config import OperatorConfig
+from pagedllm.operator.kube import KubeClient, resource_path
+from pagedllm.operator.pod_metrics import is_ready, read_ready_pods
+from pagedllm.operator.spec import (
+    API_VERSION,
+    KIND,
+    AutoscalingMode,
+    InvalidSpec,
+    ModelSourceKind,
+    PagedLLMSpec,
+    effective_replicas,
+    parse_spec,
+)
+from pagedllm.operator.status import DEGRADED, Observed, compute_status, newly_true
+
+logger = logging.getLogger(__name__)
+
+SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class OperatorContext:
+    """Operator-wide state, shared by every handler through kopf's memo."""
+
+    config: OperatorConfig
+    kube: KubeClient
+    # One reconcile at a time per PagedLLM (change handlers, the resync timer, child events).
+    locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    autoscalers: dict[str, AutoscalerState] = field(default_factory=dict)
+    # uid -> (namespace, name) of every PagedLLM served, for the resync timer.
+    tracked: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # PagedLLMs whose spec cannot be served: kopf retries them with backoff, resync skips.
+    backing_off: set[str] = field(default_factory=set)
+    # (when looked up, whether the ServiceMonitor CRD exists)
+    _service_monitors: tuple[float, bool] | None = field(default=None, init=False)
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+    def forget(self, uid: str) -> None:
+        where = self.tracked.pop(uid, None)
+        if where is not None:
+            self.locks.pop(where, None)
+        self.autoscalers.pop(uid, None)
+        self.backing_off.discard(uid)
+
+    async def service_monitors_available(self) -> bool:
+        now = time.monotonic()
+        if self._service_monitors is None or \
+                now - self._service_monitors[0] > self.config.discovery_cache_seconds:
+            crd = await self.kube.get(resource_path(
+                "apiextensions.k8s.io/v1", "CustomResourceDefinition", name=SERVICE_MONITOR_CRD))
+            self._service_monitors = (now, crd is not None)
+        return self._service_monitors[1]
+
+
+def pagedllm_path(namespace: str, name: str, subresource: str | None = None) -> str:
+    return resource_path(API_VERSION, KIND, namespace, name, subresource)
+
+
+async def _check_references(kube: KubeClient, owner: Owner, spec: PagedLLMSpec) -> None:
+    """What the schema cannot know: the model's claim must exist."""
+    if spec.model.source.kind is ModelSourceKind.PVC:
+        claim = spec.model.source.claim
+        if await kube.get(resource_path("v1", "PersistentVolumeClaim", owner.namespace,
+                                        claim)) is None:
+            raise InvalidSpec(f'PersistentVolumeClaim "{claim}" (from spec.model.uri) does not '
+                              f'exist in namespace "{owner.namespace}"')
+    # A missing API-key Secret is not looked up here (that would need read access to every
+    # Secret); the pod reports it as CreateContainerConfigError, which shows as Degraded.
+
+
+def _owned_by(obj: Mapping[str, Any], owner: Owner) -> bool:
+    return any(ref.get("uid") == owner.uid
+               for ref in obj.get("metadata", {}).get("ownerReferences") or [])
+
+
+async def _apply_children(ctx: OperatorContext, owner: Owner, spec: PagedLLMSpec,
+                          replicas: int) -> None:
+    children = build_children(owner, spec, replicas, await ctx.service_monitors_available())
+    for manifest in children.wanted:
+        path = resource_path(manifest["apiVersion"], manifest["kind"], owner.namespace,
+                             owner.name)
+        existing = await ctx.kube.get(path)
+        if existing is not None and not _owned_by(existing, owner):
+            raise InvalidSpec(f'{manifest["kind"]} "{owner.name}" already exists and belongs '
+                              "to something else; rename the PagedLLM or remove it")
+        await ctx.kube.apply(manifest)
+    for ref in children.unwanted:
+        path = resource_path(ref.api_version, ref.kind, owner.namespace, ref.name)
+        existing = await ctx.kube.get(path)
+        if existing is not None and _owned_by(existing, owner):
+            await ctx.kube.delete(path)
+
+
+async def _pods(ctx: OperatorContext, owner: Owner) -> list[dict[str, Any]]:
+    return await ctx.kube.list(resource_path("v1", "Pod", owner.namespace),
+                               selector_string(owner.name))
+
+
+async def _observe(ctx: OperatorContext, owner: Owner) -> Observed:
+    deployment = await ctx.kube.get(resource_path("apps/v1", "Deployment", owner.namespace,
+                                                  owner.name))
+    return Observed(deployment=deployment, pods=await _pods(ctx, owner))
+
+
+async def _write_status(ctx: OperatorContext, body: Mapping[str, Any],
+                        status: dict[str, Any]) -> None:
+    previous = body.get("status") or {}
+    if all(previous.get(key) == value for key, value in status.items()):
+        return
+    metadata = body["metadata"]
+    await ctx.kube.merge_patch(pagedllm_path(metadata["namespace"], metadata["name"], "status"),
+                               {"status": status})
+    became_degraded = newly_true(previous.get("conditions") or [], status["conditions"], DEGRADED)
+    if became_degraded is not None:
+        await ctx.kube.post_event(body, type="Warning", reason=became_degraded["reason"],
+                                  message=became_degraded["message"], now=now_rfc3339())
+
+
+async def reconcile(ctx: OperatorContext, namespace: str, name: str, *,
+                    autoscaling: bool = False) -> None:
+    """Make the children match the spec and the status match the children; with
+    `autoscaling`, then take one autoscaler step.
+
+    One at a time per PagedLLM, each on a fresh read: a reconcile that waited for another
+    must not act on what that one has just changed (e.g. apply replicas from before /scale).
+    Raises InvalidSpec (after recording it in status) for a spec that cannot be served."""
+    async with ctx.lock(namespace, name):
+        body = await ctx.kube.get(pagedllm_path(namespace, name))
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        await _reconcile(ctx, body)
+        if autoscaling:
+            await _autoscale(ctx, body)
+
+
+async def _reconcile(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
+    owner = Owner.from_body(body)
+    generation = body["metadata"].get("generation", 1)
+    try:
+        spec = parse_spec(body.get("spec") or {})
+        await _check_references(ctx.kube, owner, spec)
+        replicas = effective_replicas(spec)
+        await _apply_children(ctx, owner, spec, replicas)
+    except InvalidSpec as error:
+        status = compute_status(
+            generation=generation, desired=0, url="", selector=selector_string(owner.name),
+            observed=Observed(None, []), previous=body.get("status") or {},
+            now=now_rfc3339(), spec_error=str(error))
+        await _write_status(ctx, body, status)
+        raise
+    observed = await _observe(ctx, owner)
+    status = compute_status(
+        generation=generation, desired=replicas, url=service_url(owner, spec),
+        selector=selector_string(owner.name), observed=observed,
+        previous=body.get("status") or {}, now=now_rfc3339())
+    await _write_status(ctx, body, status)
+
+
+async def _autoscale(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
+    """One step of the built-in autoscaler: read the pods' load, maybe write /scale."""
+    spec = parse_spec(body.get("spec") or {})
+    scaling = spec.autoscaling
+    owner = Owner.from_body(body)
+    if scaling is None or scaling.mode is not AutoscalingMode.OPERATOR:
+        ctx.autoscalers.pop(owner.uid, None)
+        return
+    current = effective_replicas(spec)
+    pods = await _pods(ctx, owner)
+    per_pod = await read_ready_pods(pods, scaling.metric.prometheus_name,
+                                    ctx.config.metrics_timeout_seconds)
+    ready = sum(1 for pod in pods if is_ready(pod))
+    decision, state = decide(ctx.autoscalers.get(owner.uid, AutoscalerState()),
+                             current=current, ready=ready, per_pod=per_pod, scaling=scaling,
+                             now=time.monotonic())
+    ctx.autoscalers[owner.uid] = state
+    if decision.replicas == spec.replicas:
+        return
+    # Everyone scales through /scale: the Deployment follows spec.replicas on the next reconcile.
+    await ctx.kube.merge_patch(pagedllm_path(owner.namespace, owner.name, "scale"),
+                               {"spec": {"replicas": decision.replicas}})
+    if not decision.changes(current):
+        return  # spec.replicas was only unset or out of bounds; the replicas do not move
+    await ctx.kube.merge_patch(pagedllm_path(owner.namespace, owner.name, "status"),
+                               {"status": {"desiredReplicas": decision.replicas,
+                                           "lastScaleTime": now_rfc3339()}})
+    direction = "ScaledUp" if decision.replicas > current else "ScaledDown"
+    message = f"{current} -> {decision.replicas} replicas: {decision.explanation}"
+    logger.info("%s/%s %s", owner.namespace, owner.name, message)
+    await ctx.kube.post_event(body, type="Normal", reason=direction, message=message,
+                              now=now_rfc3339())

@@ -1,0 +1,182 @@
+"""The PagedLLM's status, computed from what its Deployment and pods report (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+
+# Container waiting reasons that will not fix themselves.
+FAILING_WAIT_REASONS = (
+    "CrashLoopBackOff",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "InvalidImageName",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+)
+UNSCHEDULABLE = "Unschedulable"
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: bool
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class PodProblem:
+    pod: str
+    reason: str
+    message: str
+
+
+def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[PodProblem]:
+    """Pods that cannot run: unschedulable (no capacity yet) or failing containers."""
+    problems = []
+    for pod in pods:
+        if pod.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        name = pod["metadata"]["name"]
+        status = pod.get("status") or {}
+        for condition in status.get("conditions") or []:
+            if (condition.get("type") == "PodScheduled" and condition.get("status") == "False"
+                    and condition.get("reason") == UNSCHEDULABLE):
+                problems.append(PodProblem(name, UNSCHEDULABLE, condition.get("message", "")))
+        for container in [*(status.get("initContainerStatuses") or []),
+                          *(status.get("containerStatuses") or [])]:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in FAILING_WAIT_REASONS:
+                message = waiting.get("message") or ""
+                terminated = (container.get("lastState") or {}).get("terminated") or {}
+                if terminated:
+                    message = (f"{message}; last exit code {terminated.get('exitCode')}"
+                               f" ({terminated.get('reason', 'Error')})").lstrip("; ")
+                problems.append(PodProblem(
+                    name, waiting["reason"], f"container {container.get('name')}: {message}"))
+    return problems
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the cluster says about the serving pods."""
+
+    deployment: Mapping[str, Any] | None
+    pods: Sequence[Mapping[str, Any]]
+
+
+def conditions_for(desired: int, observed: Observed, spec_error: str | None) -> list[Condition]:
+    if spec_error is not None:
+        return [
+            Condition(READY, False, "InvalidSpec", spec_error),
+            Condition(PROGRESSING, False, "InvalidSpec", spec_error),
+            Condition(DEGRADED, True, "InvalidSpec", spec_error),
+        ]
+    deployment = observed.deployment or {}
+    counts = deployment.get("status") or {}
+    replicas = counts.get("replicas", 0)
+    ready = counts.get("readyReplicas", 0)
+    updated = counts.get("updatedReplicas", 0)
+    problems = pod_problems(observed.pods)
+    unschedulable = [p for p in problems if p.reason == UNSCHEDULABLE]
+    failing = [p for p in problems if p.reason != UNSCHEDULABLE]
+    stuck = next((c for c in counts.get("conditions") or []
+                  if c.get("type") == "Progressing" and c.get("status") == "False"
+                  and c.get("reason") == "ProgressDeadlineExceeded"), None)
+
+    if failing:
+        degraded = Condition(DEGRADED, True, failing[0].reason,
+                             f"pod {failing[0].pod}: {failing[0].message}")
+    elif stuck is not None:
+        degraded = Condition(DEGRADED, True, "ProgressDeadlineExceeded",
+                             stuck.get("message", "the rollout made no progress"))
+    else:
+        degraded = Condition(DEGRADED, False, "AsExpected", "no failing pods")
+
+    if desired == 0:
+        ready_condition = Condition(READY, False, "ScaledToZero",
+                                    "no replicas; scale up through /scale to serve")
+    elif ready >= desired:
+        ready_condition = Condition(READY, True, "AllReplicasReady",
+                                    f"{ready}/{desired} replicas ready")
+    else:
+        ready_condition = Condition(READY, False, "ReplicasNotReady",
+                                    f"{ready}/{desired} replicas ready")
+
+    if unschedulable:
+        progressing = Condition(
+            PROGRESSING, True, "WaitingForCapacity",
+            f"pod {unschedulable[0].pod} cannot be scheduled yet ({unschedulable[0].message}); "
+            "waiting for the cluster to add capacity",
+        )
+    elif replicas > updated:
+        progressing = Condition(PROGRESSING, True, "RollingUpdate",
+                                f"{updated}/{desired} replicas run the current template")
+    elif ready < desired:
+        progressing = Condition(PROGRESSING, True, "ScalingUp",
+                                f"{ready}/{desired} replicas ready")
+    elif replicas > desired:
+        progressing = Condition(PROGRESSING, True, "ScalingDown",
+                                f"{replicas} replicas, {desired} wanted")
+    elif desired == 0:
+        progressing = Condition(PROGRESSING, False, "ScaledToZero", "no replicas wanted")
+    else:
+        progressing = Condition(PROGRESSING, False, "Complete",
+                                "all replicas run the current template and are ready")
+    return [ready_condition, progressing, degraded]
+
+
+def render_conditions(conditions: Sequence[Condition],
+                      previous: Sequence[Mapping[str, Any]], now: str) -> list[dict[str, Any]]:
+    """Conditions as the API stores them; lastTransitionTime moves only when status does."""
+    earlier = {c.get("type"): c for c in previous}
+    rendered = []
+    for condition in conditions:
+        status = "True" if condition.status else "False"
+        before = earlier.get(condition.type)
+        since = before.get("lastTransitionTime") if before and before.get("status") == status \
+            else None
+        rendered.append({
+            "type": condition.type,
+            "status": status,
+            "reason": condition.reason,
+            "message": condition.message,
+            "lastTransitionTime": since or now,
+        })
+    return rendered
+
+
+def compute_status(*, generation: int, desired: int, url: str, selector: str,
+                   observed: Observed, previous: Mapping[str, Any], now: str,
+                   spec_error: str | None = None) -> dict[str, Any]:
+    counts = (observed.deployment or {}).get("status") or {}
+    conditions = conditions_for(desired, observed, spec_error)
+    return {
+        "observedGeneration": generation,
+        "replicas": counts.get("replicas", 0),
+        "readyReplicas": counts.get("readyReplicas", 0),
+        "updatedReplicas": counts.get("updatedReplicas", 0),
+        "selector": selector,
+        "url": url,
+        "desiredReplicas": desired,
+        "conditions": render_conditions(conditions, previous.get("conditions") or [], now),
+    }
+
+
+def newly_true(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]],
+               condition_type: str) -> Mapping[str, Any] | None:
+    """The condition if it just became True (or changed reason while True), for an Event."""
+    old = next((c for c in before if c.get("type") == condition_type), None)
+    new = next((c for c in after if c.get("type") == condition_type), None)
+    if new is None or new.get("status") != "True":
+        return None
+    if old is not None and old.get("status") == "True" and old.get("reason") == new.get("reason"):
+        return None
+    return new

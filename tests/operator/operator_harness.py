@@ -1,0 +1,145 @@
+"""Helpers of the operator suite: a small REST client for the API emulator, polling, and the
+real operator (`kopf run -m pagedllm.operator`) as a child process with fast timers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+E2E = REPO / "e2e"
+if str(E2E) not in sys.path:
+    sys.path.insert(0, str(E2E))
+
+# Re-exported for the fixtures (explicit `as` marks the re-export).
+from kube_emulator import EmulatorThread as EmulatorThread  # noqa: E402
+from kube_emulator import kubeconfig_text as kubeconfig_text  # noqa: E402
+
+CRD_PATH = REPO / "crds" / "pagedllm.yaml"
+SAMPLES = REPO / "manifests" / "samples"
+PLLM = "/apis/pagedllm.io/v1alpha1"
+
+# Fast loops: the suite waits on the operator, so its timers set the pace.
+OPERATOR_ENV = {
+    "PAGEDLLM_OPERATOR_RESYNC_SECONDS": "0.5",
+    "PAGEDLLM_OPERATOR_WATCH_TIMEOUT_SECONDS": "5",
+    "PAGEDLLM_OPERATOR_BACKOFF_SECONDS": "0.5",
+    "PAGEDLLM_OPERATOR_BACKOFF_MAX_SECONDS": "2",
+    "PAGEDLLM_OPERATOR_METRICS_TIMEOUT_SECONDS": "1",
+    "PAGEDLLM_OPERATOR_DISCOVERY_CACHE_SECONDS": "0.5",
+}
+
+T = TypeVar("T")
+
+
+class Kube:
+    """Plain REST calls to the emulator, as any client would make them."""
+
+    def __init__(self, url: str):
+        self.http = httpx.Client(base_url=url, timeout=10)
+
+    def request(self, method: str, path: str, body: Any = None,
+                content_type: str = "application/json", **params: str) -> Any:
+        response = self.http.request(
+            method, path, params=params or None,
+            content=None if body is None else json.dumps(body),
+            headers={"Content-Type": content_type},
+        )
+        if response.status_code >= 400:
+            raise KubeError(response.status_code, response.json())
+        return response.json()
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", path)
+        except KubeError as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def list(self, path: str, **params: str) -> list[dict[str, Any]]:
+        return self.request("GET", path, **params)["items"]
+
+    def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.request("POST", path, body)
+
+    def merge(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return self.request("PATCH", path, patch, "application/merge-patch+json")
+
+    def delete(self, path: str) -> dict[str, Any]:
+        return self.request("DELETE", path)
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, body: dict[str, Any]):
+        super().__init__(f"{status}: {body.get('message')}")
+        self.status = status
+        self.body = body
+
+
+def eventually(probe: Callable[[], T | None], timeout: float = 10.0, interval: float = 0.1,
+               what: str = "condition") -> T:
+    """Poll until probe() returns something truthy; fail with the last value otherwise."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def load_crd() -> dict[str, Any]:
+    return yaml.safe_load(CRD_PATH.read_text())
+
+
+def pagedllm(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "pagedllm.io/v1alpha1", "kind": "PagedLLM",
+            "metadata": {"name": name}, "spec": spec}
+
+
+class OperatorProcess:
+    """The operator as users run it, in a child process, logging to a file."""
+
+    def __init__(self, kubeconfig: Path, workdir: Path, command: list[str]):
+        self.kubeconfig = kubeconfig
+        self.workdir = workdir
+        self.command = command
+        self.log_path = workdir / "operator.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, **OPERATOR_ENV, "KUBECONFIG": str(self.kubeconfig)}
+        log = self.log_path.open("ab")
+        # The working directory is not the repository root: there, the folder operator/
+        # would shadow the standard library's `operator` module.
+        self.process = subprocess.Popen(self.command, cwd=self.workdir, env=env, stdout=log,
+                                        stderr=subprocess.STDOUT)
+        log.close()
+        eventually(lambda: "Initial authentication has finished" in self.log(), timeout=30,
+                   what="the operator to start")
+
+    def stop(self) -> int:
+        assert self.process is not None
+        self.process.terminate()
+        code = self.process.wait(timeout=20)
+        self.process = None
+        return code
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+KOPF_RUN = [sys.executable, "-m", "kopf", "run", "-m", "pagedllm.operator", "--all-namespaces"]
+
+

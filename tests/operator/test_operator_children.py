@@ -1,0 +1,125 @@
+"""The children builders: pure functions whose output Kubernetes' own schemas accept."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from pagedllm.operator.children import (
+    Owner,
+    build_children,
+    build_deployment,
+    build_horizontal_autoscaler,
+    serve_args,
+)
+from pagedllm.operator.spec import PagedLLMSpec, effective_replicas, parse_spec
+
+KUBERNETES_VERSION = "1.32"
+OWNER = Owner(name="llama", namespace="models", uid="0b3a2c1e-0000-4000-8000-000000000001")
+
+SPECS: dict[str, dict[str, Any]] = {
+    "demo": {"model": {"servedName": "demo"}},
+    "image-path": {"model": {"uri": "/opt/models/tiny", "servedName": "tiny"}, "replicas": 3,
+                   "rollout": {"strategy": "Recreate"}, "env": [{"name": "A", "value": "1"}]},
+    "pvc": {"model": {"uri": "pvc://weights/llama/8b", "servedName": "llama"},
+            "apiKeySecretRef": {"name": "key"},
+            "scheduling": {"nodeSelector": {"gpu": "l4"}, "priorityClassName": "serving",
+                           "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+                           "affinity": {"nodeAffinity": {
+                               "requiredDuringSchedulingIgnoredDuringExecution": {
+                                   "nodeSelectorTerms": [{"matchExpressions": [
+                                       {"key": "zone", "operator": "In",
+                                        "values": ["a"]}]}]}}}}},
+    "hf-gpu-hpa": {"model": {"uri": "hf://meta-llama/Llama-3.1-8B", "servedName": "llama"},
+                   "resources": {"limits": {"nvidia.com/gpu": 2, "memory": "48Gi"}},
+                   "engine": {"tensorParallelSize": 2, "kvCacheMemory": "8Gi",
+                              "enablePrefixCaching": False, "extraArgs": ["--seed", "1"]},
+                   "autoscaling": {"minReplicas": 2, "maxReplicas": 6, "target": 0.75,
+                                   "metric": "kvCacheUsage", "mode": "hpa"}},
+}
+
+
+def children_of(raw: dict[str, Any]) -> tuple[PagedLLMSpec, list[dict[str, Any]]]:
+    spec = parse_spec(raw)
+    built = build_children(OWNER, spec, effective_replicas(spec),
+                           service_monitors_available=False)
+    return spec, list(built.wanted)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_children_validate_against_kubernetes_schemas(name: str) -> None:
+    _, children = children_of(SPECS[name])
+    for child in children:
+        kubernetes_validate.validate(child, KUBERNETES_VERSION, strict=True)
+
+
+def test_pure_and_deterministic() -> None:
+    assert children_of(SPECS["pvc"]) == children_of(SPECS["pvc"])
+
+
+def test_which_children_exist() -> None:
+    kinds = {name: sorted(c["kind"] for c in children_of(raw)[1]) for name, raw in SPECS.items()}
+    assert kinds["demo"] == ["Deployment", "Service"]
+    assert kinds["image-path"] == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert kinds["hf-gpu-hpa"] == ["Deployment", "HorizontalPodAutoscaler",
+                                   "PodDisruptionBudget", "Service"]
+    spec = parse_spec(SPECS["demo"])
+    with_monitor = build_children(OWNER, spec, 1, service_monitors_available=True)
+    assert [c["kind"] for c in with_monitor.wanted][-1] == "ServiceMonitor"
+    assert {r.kind for r in with_monitor.unwanted} == {"PodDisruptionBudget",
+                                                       "HorizontalPodAutoscaler"}
+
+
+def test_serve_flags_follow_the_engine_spec() -> None:
+    spec = parse_spec(SPECS["hf-gpu-hpa"])
+    args = serve_args(spec, "/models/meta-llama/Llama-3.1-8B")
+
+    def flag(name: str) -> str:
+        return args[args.index(name) + 1]
+
+    assert flag("--model") == "/models/meta-llama/Llama-3.1-8B"
+    assert flag("--tensor-parallel-size") == "2"
+    assert flag("--kv-cache-memory") == str(8 * 2**30)
+    assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
+    assert args[-2:] == ["--seed", "1"]
+    assert "--max-model-len" not in args
+
+
+def test_demo_model_has_no_model_flag_and_image_path_is_used_as_is() -> None:
+    demo = build_deployment(OWNER, parse_spec(SPECS["demo"]), 1)
+    assert "--model" not in demo["spec"]["template"]["spec"]["containers"][0]["args"]
+    image = build_deployment(OWNER, parse_spec(SPECS["image-path"]), 3)
+    args = image["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/opt/models/tiny"
+    assert image["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_pvc_model_is_mounted_read_only() -> None:
+    pod = build_deployment(OWNER, parse_spec(SPECS["pvc"]), 1)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights",
+                                                       "readOnly": True}} in pod["volumes"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in \
+        container["volumeMounts"]
+    args = container["args"]
+    assert args[args.index("--model") + 1] == "/models/llama/8b"
+    assert pod["nodeSelector"] == {"gpu": "l4"} and pod["priorityClassName"] == "serving"
+
+
+def test_writable_dirs_for_a_read_only_root() -> None:
+    pod = build_deployment(OWNER, parse_spec(SPECS["demo"]), 1)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert env["PAGEDLLM_CACHE_DIR"] in mounts and env["HOME"] in mounts and "/tmp" in mounts
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["automountServiceAccountToken"] is False
+
+
+def test_hpa_scales_the_pagedllm_not_the_deployment() -> None:
+    hpa = build_horizontal_autoscaler(OWNER, parse_spec(SPECS["hf-gpu-hpa"]))
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "PagedLLM"
+    assert hpa["spec"]["minReplicas"] == 2 and hpa["spec"]["maxReplicas"] == 6
+    assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "750m"

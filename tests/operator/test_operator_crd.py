@@ -1,0 +1,140 @@
+"""The PagedLLM CRD's schema: samples validate, bad resources are rejected with the CRD's own
+messages (structural schema via jsonschema, x-kubernetes-validations via cel-python), and the
+operator's defaults are the schema's."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import crd_validation
+import pytest
+import yaml
+from operator_harness import SAMPLES, load_crd
+
+from pagedllm.operator.spec import parse_spec
+
+CRD = load_crd()
+(VERSION,) = CRD["spec"]["versions"]
+SCHEMA = VERSION["schema"]["openAPIV3Schema"]
+
+
+def resource(name: str = "demo", **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "pagedllm.io/v1alpha1", "kind": "PagedLLM",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"model": {"servedName": "demo"}, **spec}}
+
+
+def errors(obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
+    defaulted = crd_validation.apply_defaults(SCHEMA, obj)
+    return [str(e) for e in crd_validation.validate(SCHEMA, defaulted, old)]
+
+
+def sample_pagedllms() -> list[dict[str, Any]]:
+    found = []
+    for path in sorted(SAMPLES.glob("*.yaml")):
+        found += [d for d in yaml.safe_load_all(path.read_text())
+                  if d and d.get("kind") == "PagedLLM"]
+    return found
+
+
+def test_there_is_a_cpu_demo_and_a_gpu_sample() -> None:
+    samples = sample_pagedllms()
+    assert any("uri" not in s["spec"]["model"] for s in samples)
+    assert any("nvidia.com/gpu" in s["spec"].get("resources", {}).get("limits", {})
+               for s in samples)
+
+
+@pytest.mark.parametrize("sample", sample_pagedllms(), ids=lambda s: s["metadata"]["name"])
+def test_samples_validate_and_parse(sample: dict[str, Any]) -> None:
+    sample = copy.deepcopy(sample)
+    sample["metadata"]["namespace"] = "default"
+    assert errors(sample) == []
+    assert crd_validation.unknown_fields(SCHEMA, sample) == []
+    parse_spec(crd_validation.apply_defaults(SCHEMA, sample)["spec"])
+
+
+def test_operator_defaults_are_the_schema_defaults() -> None:
+    bare = resource(autoscaling={"maxReplicas": 2, "target": 4}, rollout={},
+                    apiKeySecretRef={"name": "key"})
+    defaulted = crd_validation.apply_defaults(SCHEMA, bare)
+    assert defaulted["spec"]["engine"]["blockSize"] == 16
+    assert parse_spec(defaulted["spec"]) == parse_spec(bare["spec"])
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"autoscaling": {"minReplicas": 3, "maxReplicas": 2, "target": 1}},
+     "minReplicas must not exceed maxReplicas"),
+    ({"autoscaling": {"minReplicas": 0, "maxReplicas": 2, "target": 1, "mode": "hpa"}},
+     "mode hpa needs minReplicas >= 1"),
+    ({"autoscaling": {"maxReplicas": 2, "target": 2, "metric": "kvCacheUsage"}},
+     "kvCacheUsage target is a fraction"),
+    ({"replicas": 2, "autoscaling": {"maxReplicas": 2, "target": 1}},
+     "set either replicas or autoscaling, not both"),
+    ({"rollout": {"strategy": "Recreate", "maxSurge": 1}},
+     "maxSurge and maxUnavailable apply to RollingUpdate only"),
+    ({"model": {"servedName": "x", "uri": "s3://bucket/model"}}, "does not match"),
+    ({"model": {"servedName": "x", "uri": "hf://just-a-name"}}, "does not match"),
+    ({"model": {"uri": "/models/x"}}, "'servedName' is a required property"),
+    ({"engine": {"gpuMemoryUtilization": 1.5}}, "1.5"),
+    ({"engine": {"blockSize": 12}}, "12 is not one of"),
+    ({"replicas": -1}, "-1 is less than the minimum of 0"),
+    ({"resources": {"limits": {"memory": "lots"}}}, "does not match"),
+])
+def test_invalid_specs_are_rejected(spec: dict[str, Any], message: str) -> None:
+    found = errors(resource(**spec))
+    assert any(message in e for e in found), found
+
+
+@pytest.mark.parametrize("name", ["x" * 48, "1st-model", "Demo", "demo-"])
+def test_names_that_cannot_name_the_children_are_rejected(name: str) -> None:
+    assert any("DNS-1035 label" in e for e in errors(resource(name))), name
+
+
+def test_a_47_character_name_is_fine() -> None:
+    assert errors(resource("a" * 47)) == []
+
+
+def test_the_autoscaler_may_write_replicas_through_scale_later() -> None:
+    """Both set is refused when created, allowed on update (the autoscaler writing /scale)."""
+    created = resource(autoscaling={"maxReplicas": 3, "target": 2})
+    assert errors(created) == []
+    scaled = copy.deepcopy(created)
+    scaled["spec"]["replicas"] = 2
+    old = crd_validation.apply_defaults(SCHEMA, created)
+    assert errors(scaled, old=old) == []
+    assert errors(scaled) != []
+
+
+def test_scale_status_and_printer_columns() -> None:
+    assert VERSION["subresources"]["status"] == {}
+    assert VERSION["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}
+    columns = [c["name"] for c in VERSION["additionalPrinterColumns"] if not c.get("priority")]
+    assert columns == ["Model", "Ready", "Replicas", "URL", "Age"]
+    assert CRD["spec"]["names"]["shortNames"] == ["pllm"]
+    # No schema default for replicas: unset means "not decided by the user" (see /scale).
+    assert "default" not in SCHEMA["properties"]["spec"]["properties"]["replicas"]
+
+
+def _untyped(schema: dict[str, Any], path: str = "") -> list[str]:
+    found = []
+    if not ({"type", "x-kubernetes-int-or-string"} & set(schema)):
+        found.append(path or ".")
+    for name, sub in (schema.get("properties") or {}).items():
+        found += _untyped(sub, f"{path}.{name}")
+    if isinstance(schema.get("items"), dict):
+        found += _untyped(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        found += _untyped(schema["additionalProperties"], f"{path}{{}}")
+    return found
+
+
+def test_schema_is_structural_and_described() -> None:
+    assert _untyped(SCHEMA) == []
+    spec = SCHEMA["properties"]["spec"]["properties"]
+    undocumented = [name for name, sub in spec.items()
+                    if "description" not in sub and sub.get("type") == "object"
+                    and name not in ("service", "scheduling")]
+    assert undocumented == []

@@ -1,0 +1,99 @@
+"""The kustomize base renders, its RBAC is least-privilege, its workloads are valid."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from operator_harness import REPO
+
+# Every call the operator and kopf make, as (apiGroup, resource, verb).
+NEEDED = {
+    ("pagedllm.io", "pagedllms", verb) for verb in ("get", "list", "watch", "patch")
+} | {
+    ("pagedllm.io", "pagedllms/status", "patch"), ("pagedllm.io", "pagedllms/scale", "patch"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "get"),
+    ("apps", "deployments", "create"), ("apps", "deployments", "patch"),
+    ("apps", "deployments", "watch"), ("", "services", "patch"), ("", "services", "watch"),
+    ("policy", "poddisruptionbudgets", "delete"), ("autoscaling", "horizontalpodautoscalers",
+                                                   "patch"),
+    ("", "pods", "list"), ("", "persistentvolumeclaims", "get"), ("", "events", "create"),
+}
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is not on PATH; this suite needs kubectl's kustomize")
+    result = subprocess.run([kubectl, "kustomize", str(REPO / "manifests")], text=True,
+                            capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def by_kind(documents: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = [d for d in documents if d["kind"] == kind]
+    return found
+
+
+def test_renders_the_whole_install(rendered: list[dict[str, Any]]) -> None:
+    assert sorted(d["kind"] for d in rendered) == sorted([
+        "Namespace", "CustomResourceDefinition", "ServiceAccount", "ClusterRole",
+        "ClusterRoleBinding", "Deployment"])
+    binding = by_kind(rendered, "ClusterRoleBinding")
+    account = by_kind(rendered, "ServiceAccount")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": account["metadata"]["namespace"]}]
+
+
+def test_rbac_has_no_wildcards_and_covers_every_call(rendered: list[dict[str, Any]]) -> None:
+    rules = by_kind(rendered, "ClusterRole")["rules"]
+    granted = set()
+    for rule in rules:
+        for field in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[field], rule
+        assert "nonResourceURLs" not in rule and "resourceNames" not in rule
+        granted |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"]
+                    for v in rule["verbs"]}
+    assert NEEDED - granted == set()
+    assert not any(r == "secrets" for _, r, _ in granted)
+
+
+def test_operator_deployment(rendered: list[dict[str, Any]]) -> None:
+    deployment = by_kind(rendered, "Deployment")
+    kubernetes_validate.validate(deployment, "1.32", strict=True)
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["pagedllm", "operator"]
+    liveness = next(a for a in container["args"] if a.startswith("--liveness="))
+    assert liveness.endswith(container["livenessProbe"]["httpGet"]["path"])
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    security = container["securityContext"]
+    assert security == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                        "capabilities": {"drop": ["ALL"]}}
+
+
+def test_samples_render_as_a_kustomization() -> None:
+    result = subprocess.run(["kubectl", "kustomize", str(REPO / "manifests" / "samples")],
+                            text=True, capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(result.stdout) if d]
+    assert kinds.count("PagedLLM") == 2
+
+
+def test_dockerfile_builds_from_the_repository_root() -> None:
+    dockerfile = (REPO / "manifests" / "Dockerfile").read_text()
+    for path in ("node", "kernels", "operator", "pyproject.toml"):
+        assert path in dockerfile
+        assert (REPO / path).exists()
+    assert "ARG TORCH_VARIANT=cpu" in dockerfile
