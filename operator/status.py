@@ -116,6 +116,12 @@ def conditions_for(desired: int, observed: Observed, spec_error: str | None) -> 
             f"pod {unschedulable[0].pod} cannot be scheduled yet ({unschedulable[0].message}); "
             "waiting for the cluster to add capacity",
         )
+    elif counts.get("observedGeneration", 0) < (deployment.get("metadata") or {}).get(
+        "generation", 0
+    ):
+        # Until the Deployment controller has seen the latest template its counts are stale.
+        progressing = Condition(PROGRESSING, True, "RollingUpdate",
+                                "the Deployment controller has not yet seen the latest template")
     elif replicas > updated:
         progressing = Condition(PROGRESSING, True, "RollingUpdate",
                                 f"{updated}/{desired} replicas run the current template")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.node.engine import LLMEngine
 from tiny_models import save_engine_model
 from transformers import GenerationConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm.node.engine import LLMEngine
 
 VOCAB = 128
 TINY = dict(
@@ -257,8 +258,8 @@ def test_stop_tokens_and_stop_strings_end_output_exactly():
     full = llm.generate(prompt, long, use_tqdm=False)[0].outputs[0]
     stop_token = full.token_ids[5]
     first = full.token_ids.index(stop_token)
-    by_token = llm.generate(prompt, SamplingParams(**{**_fields(long), "stop_token_ids": [stop_token]}),
-                            use_tqdm=False)[0].outputs[0]
+    with_stop_token = SamplingParams(**{**_fields(long), "stop_token_ids": [stop_token]})
+    by_token = llm.generate(prompt, with_stop_token, use_tqdm=False)[0].outputs[0]
     assert by_token.token_ids == full.token_ids[: first + 1]
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_token)
 

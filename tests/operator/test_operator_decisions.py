@@ -81,7 +81,8 @@ def test_prometheus_text() -> None:
 
 def deployment(replicas: int, ready: int, updated: int, **extra: Any) -> dict[str, Any]:
     return {"metadata": {"generation": 1}, "status": {
-        "replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated, **extra}}
+        "observedGeneration": 1, "replicas": replicas, "readyReplicas": ready,
+        "updatedReplicas": updated, **extra}}
 
 
 def reasons(desired: int, observed: Observed, error: str | None = None) -> dict[str, str]:
@@ -95,6 +96,9 @@ def test_conditions_through_a_rollout() -> None:
     assert reasons(2, Observed(deployment(3, 2, 1), []))["Progressing"] == "True/RollingUpdate"
     assert reasons(2, Observed(deployment(3, 2, 1), []))["Ready"] == "True/AllReplicasReady"
     assert reasons(2, Observed(deployment(2, 2, 2), []))["Progressing"] == "False/Complete"
+    # A template change the Deployment controller has not seen yet is a rollout in progress.
+    unseen = {**deployment(2, 2, 2), "metadata": {"generation": 2}}
+    assert reasons(2, Observed(unseen, []))["Progressing"] == "True/RollingUpdate"
     assert reasons(0, Observed(deployment(0, 0, 0), []))["Ready"] == "False/ScaledToZero"
     assert reasons(1, Observed(None, []), "bad")["Degraded"] == "True/InvalidSpec"
     stuck = deployment(1, 0, 1, conditions=[{"type": "Progressing", "status": "False",

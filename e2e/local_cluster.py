@@ -1,0 +1,301 @@
+"""The scenario's cluster on one machine, without Docker: the API emulator as its own process,
+the Deployment controller, kubelet and Service stand-ins in a thread, the real operator as a
+local process started the way manifests/operator.yaml starts it (its command, args and env,
+with short timers), and the real kubectl through a kubeconfig pointing at the emulator.
+
+Everything it starts runs in a process group of its own; `stop` ends them all, and
+`live_processes` tells whether anything it started is still alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import datetime
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import yaml
+from deployment_standin import DeploymentStandin
+from kube_rest import KubeRest
+from kubelet_standin import LOOPBACK, KubeletStandin, free_port, process_group_members
+from service_proxy import ServiceProxies
+
+REPO = Path(__file__).resolve().parents[1]
+E2E = REPO / "e2e"
+# The virtual environment running the tests: where the image would have `pagedllm`.
+BIN_DIR = Path(sys.executable).parent
+OPERATOR_MANIFEST = REPO / "manifests" / "operator.yaml"
+# The operator's timers, short: the scenario waits on them.
+FAST_OPERATOR_ENV = {
+    "PAGEDLLM_OPERATOR_RESYNC_SECONDS": "1",
+    "PAGEDLLM_OPERATOR_WATCH_TIMEOUT_SECONDS": "60",
+    "PAGEDLLM_OPERATOR_BACKOFF_SECONDS": "1",
+    "PAGEDLLM_OPERATOR_BACKOFF_MAX_SECONDS": "5",
+    "PAGEDLLM_OPERATOR_METRICS_TIMEOUT_SECONDS": "1",
+}
+STANDIN_INTERVAL = 0.25
+# The namespace of the emulator's kubeconfig context, where the stand-ins run things.
+NAMESPACE = "default"
+
+T = TypeVar("T")
+
+
+def eventually(probe: Callable[[], T | None], timeout: float, what: str,
+               interval: float = 0.25) -> T:
+    """Poll until probe() returns something truthy; fail with the last value otherwise."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
+
+
+def _tail(path: Path, lines: int) -> str:
+    if not path.exists():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Standins:
+    """The controllers and the node a cluster would have, on an event loop in a thread."""
+
+    def __init__(self, server: str, namespace: str, root: Path):
+        self.server, self.namespace, self.root = server, namespace, root
+        self.log_path = root / "standins.log"
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="standins",
+                                       daemon=True)
+        self.kubelet: KubeletStandin | None = None
+        self.proxies: ServiceProxies | None = None
+        self._stop = threading.Event()
+        self._done: concurrent.futures.Future[None] | None = None
+
+    def start(self) -> None:
+        self.thread.start()
+        self._done = asyncio.run_coroutine_threadsafe(self._run(), self.loop)
+
+    async def _run(self) -> None:
+        kube = KubeRest(self.server)
+        deployments = DeploymentStandin(kube, self.namespace)
+        self.kubelet = KubeletStandin(kube, self.namespace, self.root / "pods", [str(BIN_DIR)])
+        self.proxies = ServiceProxies(kube, self.namespace)
+        try:
+            while not self._stop.is_set():
+                for sync in (lambda: deployments.sync(_now()), self.kubelet.sync,
+                             self.proxies.sync):
+                    try:
+                        await sync()
+                    except Exception:
+                        with self.log_path.open("a") as log:
+                            log.write(f"{_now()} {traceback.format_exc()}\n")
+                await asyncio.sleep(STANDIN_INTERVAL)
+        finally:
+            await self.kubelet.shutdown()
+            await self.proxies.close()
+            await kube.close()
+
+    def service_url(self, name: str, port: str = "http") -> str | None:
+        return self.proxies.url(name, port) if self.proxies is not None else None
+
+    def stop(self) -> None:
+        """Stop the loop, killing every pod process still running (a node lost)."""
+        self._stop.set()
+        if self._done is not None:
+            try:
+                self._done.result(timeout=30)
+            finally:
+                if self.kubelet is not None:
+                    self.kubelet.kill_everything()
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self.thread.join(timeout=10)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class LocalProcess:
+    """A child process in its own process group, logging to a file."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], cwd: Path,
+                 log_path: Path):
+        self.name, self.log_path = name, log_path
+        with log_path.open("ab") as log:
+            self.process = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+
+    def stop(self, grace: float = 10) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=grace)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def log(self, lines: int = 200) -> str:
+        return _tail(self.log_path, lines)
+
+
+class LocalCluster:
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.kubeconfig = workdir / "kubeconfig"
+        self.api_server: LocalProcess | None = None
+        self.operator: LocalProcess | None = None
+        self.standins: Standins | None = None
+        self.server = ""
+
+    # --- starting -------------------------------------------------------------------------
+
+    def start_api_server(self) -> None:
+        self.api_server = LocalProcess(
+            "kube-emulator",
+            [sys.executable, str(E2E / "kube_emulator.py"), "--port", "0",
+             "--kubeconfig", str(self.kubeconfig)],
+            {**os.environ}, self.workdir, self.workdir / "emulator.log")
+        eventually(lambda: self.kubeconfig.exists() or self._exited(self.api_server),
+                   timeout=30, what="the API emulator")
+        self._check_running(self.api_server)
+        config = yaml.safe_load(self.kubeconfig.read_text())
+        self.server = config["clusters"][0]["cluster"]["server"]
+        self.standins = Standins(self.server, NAMESPACE, self.workdir)
+        self.standins.start()
+
+    def start_operator(self) -> None:
+        """The operator Deployment's container, run here: same command, args and env, with
+        short timers and its liveness endpoint on a free loopback port."""
+        manifest = yaml.safe_load(OPERATOR_MANIFEST.read_text())
+        container = manifest["spec"]["template"]["spec"]["containers"][0]
+        health_port = free_port(set())
+        args = [f"--liveness=http://{LOOPBACK}:{health_port}/healthz"
+                if arg.startswith("--liveness=") else arg for arg in container.get("args", [])]
+        env = {"PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}",
+               "HOME": str(self.workdir), "KUBECONFIG": str(self.kubeconfig),
+               **{item["name"]: item["value"] for item in container.get("env") or []},
+               **FAST_OPERATOR_ENV}
+        executable = shutil.which(container["command"][0], path=env["PATH"])
+        assert executable is not None, f"{container['command'][0]} is not installed"
+        # Not the repository root: there the folder operator/ would shadow the standard
+        # library's `operator` module.
+        self.operator = LocalProcess("operator", [executable, *container["command"][1:], *args],
+                                     env, self.workdir, self.workdir / "operator.log")
+
+        def healthy() -> bool:
+            self._check_running(self.operator)
+            try:
+                return httpx.get(f"http://{LOOPBACK}:{health_port}/healthz", timeout=1,
+                                 trust_env=False).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        eventually(healthy, timeout=60, what="the operator's liveness endpoint")
+
+    @staticmethod
+    def _exited(process: LocalProcess | None) -> bool:
+        return process is not None and process.process.poll() is not None
+
+    def _check_running(self, process: LocalProcess | None) -> None:
+        if self._exited(process):
+            assert process is not None
+            raise AssertionError(f"{process.name} exited with code "
+                                 f"{process.process.returncode}:\n{process.log(60)}")
+
+    # --- using -----------------------------------------------------------------------------
+
+    def kubectl(self, *args: str, timeout: float = 60, check: bool = True) -> str:
+        """kubectl with the emulator's kubeconfig (its context's namespace is `default`)."""
+        kubectl = shutil.which("kubectl")
+        assert kubectl is not None, "kubectl is not on PATH"
+        result = subprocess.run([kubectl, *args], text=True,
+                                capture_output=True, timeout=timeout,
+                                env={**os.environ, "KUBECONFIG": str(self.kubeconfig)})
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n"
+                                 f"{result.stdout}{result.stderr}")
+        return result.stdout + result.stderr
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        response = httpx.get(self.server + path, timeout=10, trust_env=False)
+        if response.status_code == 404:
+            return None
+        response.raise_for_status()
+        return response.json()
+
+    def list(self, path: str, selector: str | None = None) -> list[dict[str, Any]]:
+        params = {"labelSelector": selector} if selector else None
+        response = httpx.get(self.server + path, params=params, timeout=10, trust_env=False)
+        response.raise_for_status()
+        return response.json()["items"]
+
+    def service_url(self, name: str) -> str:
+        assert self.standins is not None
+        return eventually(lambda: self.standins.service_url(name), timeout=30,
+                          what=f"Service {name}'s stand-in listener")
+
+    def pod_processes(self) -> dict[str, list[int]]:
+        """Pod name -> its live processes."""
+        kubelet = self.standins.kubelet if self.standins else None
+        return kubelet.live_processes() if kubelet is not None else {}
+
+    # --- ending ----------------------------------------------------------------------------
+
+    def live_processes(self) -> dict[str, list[int]]:
+        """Everything this cluster started that is still alive: pods, operator, emulator."""
+        alive = dict(self.pod_processes())
+        for process in (self.operator, self.api_server):
+            if process is not None:
+                members = process_group_members(process.process.pid)
+                if members:
+                    alive[process.name] = members
+        return alive
+
+    def stop(self) -> None:
+        if self.operator is not None:
+            self.operator.stop()
+        if self.standins is not None:
+            self.standins.stop()
+        if self.api_server is not None:
+            self.api_server.stop()
+
+    def diagnostics(self) -> str:
+        """What explains a red run: the objects, the operator's log, the pods' logs."""
+        sections = []
+        if self.api_server is not None and not self._exited(self.api_server):
+            for args in (["get", "pllm,deploy,rs,pod,svc,pdb", "-o", "wide"],
+                         ["get", "pllm", "-o", "yaml"],
+                         ["get", "deploy", "-o", "jsonpath={range .items[*]}{.metadata.name}"
+                          " generation={.metadata.generation} {.status}{'\\n'}{end}"],
+                         ["get", "pods", "-o", "jsonpath={range .items[*]}{.metadata.name} "
+                          "{.metadata.deletionTimestamp} {.status.conditions}"
+                          " {.status.containerStatuses}{'\\n'}{end}"],
+                         ["get", "events", "--sort-by=.lastTimestamp"]):
+                try:
+                    output = self.kubectl(*args, timeout=20, check=False)
+                except subprocess.TimeoutExpired:
+                    output = "(timed out)"
+                sections.append((f"kubectl {' '.join(args)}", output))
+        for process in (self.operator, self.api_server):
+            if process is not None:
+                sections.append((f"{process.name} log (tail)", process.log(150)))
+        sections.append(("stand-ins log (tail)", _tail(self.workdir / "standins.log", 80)))
+        kubelet = self.standins.kubelet if self.standins else None
+        for name, path in (kubelet.logs() if kubelet else {}).items():
+            sections.append((f"pod {name} log (tail)", _tail(path, 40)))
+        return "\n".join(f"===== {title}\n{body}" for title, body in sections)

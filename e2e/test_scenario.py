@@ -1,0 +1,272 @@
+"""The user's whole journey, end to end, on the local cluster (local_cluster.py): apply the
+operator's manifests and a PagedLLM with kubectl, wait for it, use it through its Service with
+the openai SDK, scale it, roll out a new engine setting while a client streams, let it
+autoscale on queue depth, delete it. Every step prints its duration; a failure prints the
+objects, the operator's log and the pods' logs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from client_checks import KeepStreaming, Load, run_checks
+from deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
+from kubelet_standin import HOST_PORTS_ANNOTATION
+from local_cluster import NAMESPACE, REPO, LocalCluster, eventually
+
+from pagedllm.operator.autoscaler import parse_prometheus_value
+
+SCENARIO = REPO / "e2e" / "demo-pagedllm.yaml"
+NAME = "demo"
+MODEL = "demo"
+SELECTOR = f"pagedllm.io/instance={NAME}"
+PLLM = f"/apis/pagedllm.io/v1alpha1/namespaces/{NAMESPACE}/pagedllms/{NAME}"
+PODS = f"/api/v1/namespaces/{NAMESPACE}/pods"
+# The autoscaling phase: a batch of two makes queue depth easy to reach on the demo model.
+ROLLOUT_MAX_NUM_SEQS = 2
+AUTOSCALING = {"minReplicas": 1, "maxReplicas": 3, "metric": "waitingRequests", "target": 2,
+               "scaleDownDelaySeconds": 10}
+LOAD_CLIENTS = 8
+# Longer than a stopping pod's preStop pause on the demo model.
+LONG_STREAM_TOKENS = 600
+
+
+class Steps:
+    """Prints each step with its duration as it happens (past pytest's output capture)."""
+
+    def __init__(self, capsys: pytest.CaptureFixture[str]):
+        self.capsys = capsys
+        self.durations: list[tuple[str, float]] = []
+        self.started = time.monotonic()
+
+    def say(self, line: str) -> None:
+        with self.capsys.disabled():
+            print(line, flush=True)
+
+    @contextmanager
+    def __call__(self, title: str) -> Iterator[None]:
+        self.say(f"\n-> {title}")
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            elapsed = time.monotonic() - started
+            self.durations.append((title, elapsed))
+            self.say(f"   {elapsed:6.1f}s  {title}")
+
+    def summary(self) -> str:
+        lines = [f"{seconds:7.1f}s  {title}" for title, seconds in self.durations]
+        lines.append(f"{time.monotonic() - self.started:7.1f}s  total")
+        return "\n".join(lines)
+
+
+def pods(cluster: LocalCluster) -> list[dict[str, Any]]:
+    return cluster.list(PODS, SELECTOR)
+
+
+def serving_pods(cluster: LocalCluster) -> list[dict[str, Any]]:
+    return [p for p in pods(cluster) if is_pod_ready(p)]
+
+
+def pagedllm(cluster: LocalCluster) -> dict[str, Any]:
+    body = cluster.get(PLLM)
+    assert body is not None, "the PagedLLM is gone"
+    return body
+
+
+def condition(body: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in (body.get("status") or {}).get("conditions") or []
+                 if c["type"] == kind), {})
+
+
+def pod_metric(pod: dict[str, Any], name: str) -> float:
+    """A metric from the pod's own /metrics (its loopback port)."""
+    ports = json.loads(pod["metadata"]["annotations"][HOST_PORTS_ANNOTATION])
+    text = httpx.get(f"http://127.0.0.1:{ports['8000']}/metrics", timeout=5,
+                     trust_env=False).text
+    return parse_prometheus_value(text, name) or 0.0
+
+
+def engine_flag(pod: dict[str, Any], flag: str) -> str:
+    args = pod["spec"]["containers"][0]["args"]
+    return args[args.index(flag) + 1]
+
+
+def ready_with(cluster: LocalCluster, replicas: int) -> dict[str, Any] | None:
+    """The PagedLLM once it is Ready with exactly `replicas` serving pods and no others."""
+    body = pagedllm(cluster)
+    status = body.get("status") or {}
+    if (status.get("observedGeneration") == body["metadata"]["generation"]
+            and condition(body, "Ready").get("status") == "True"
+            and status.get("readyReplicas") == replicas
+            and len(serving_pods(cluster)) == replicas == len(pods(cluster))):
+        return body
+    return None
+
+
+# The scenario takes about three minutes on two cores; a hung step fails well before the
+# suite's own limit, still printing what explains it.
+@pytest.mark.timeout(480)
+def test_user_journey(capsys: pytest.CaptureFixture[str]) -> None:
+    # Short: the node's unix sockets live under the pods' directories.
+    workdir = Path(tempfile.mkdtemp(prefix="pllm-e2e-"))
+    cluster = LocalCluster(workdir)
+    steps = Steps(capsys)
+    steps.say(f"\nlocal cluster in {workdir}")
+    try:
+        journey(cluster, steps)
+    except BaseException:
+        print(cluster.diagnostics())
+        raise
+    finally:
+        with steps("stop everything the scenario started"):
+            cluster.stop()
+            left = cluster.live_processes()
+        steps.say("\n" + steps.summary())
+    assert not left, f"processes left behind: {left}"
+    shutil.rmtree(workdir)  # kept when the scenario fails, for its logs
+
+
+def journey(cluster: LocalCluster, steps: Steps) -> None:
+    with steps("start the API emulator and the kubelet, Deployment and Service stand-ins"):
+        cluster.start_api_server()
+
+    with steps("kubectl apply -k manifests/ (namespace, CRD, RBAC, operator Deployment)"):
+        cluster.kubectl("apply", "-k", str(REPO / "manifests"))
+        cluster.kubectl("wait", "--for=condition=Established", "crd/pagedllms.pagedllm.io",
+                        "--timeout=30s")
+
+    with steps("run the operator as manifests/operator.yaml runs it (short timers)"):
+        cluster.start_operator()
+
+    with steps("kubectl apply a PagedLLM: demo model, 2 replicas"):
+        cluster.kubectl("apply", "-f", str(SCENARIO))
+
+    with steps("kubectl wait --for=condition=Ready pllm/demo"):
+        cluster.kubectl("wait", "--for=condition=Ready", f"pllm/{NAME}", "--timeout=180s",
+                        timeout=200)
+        eventually(lambda: ready_with(cluster, 2), timeout=30, what="2 serving pods")
+        assert set(cluster.pod_processes()) == {p["metadata"]["name"] for p in pods(cluster)}
+        steps.say(cluster.kubectl("get", "pllm,deploy,pods", "-o", "wide"))
+
+    base_url = cluster.service_url(NAME) + "/v1"
+    with steps("completions and chat, streaming and not, through the Service (openai SDK)"):
+        run_checks(base_url, MODEL, log=steps.say)
+
+    with steps("kubectl scale pllm/demo --replicas=3; three ready pods serve"):
+        cluster.kubectl("scale", f"pllm/{NAME}", "--replicas=3")
+        cluster.kubectl("wait", "--for=jsonpath={.status.readyReplicas}=3", f"pllm/{NAME}",
+                        "--timeout=180s", timeout=200)
+        cluster.kubectl("wait", "--for=condition=Ready", f"pllm/{NAME}", "--timeout=60s")
+        eventually(lambda: ready_with(cluster, 3), timeout=30, what="3 serving pods")
+        every_pod_answers(cluster, base_url)
+
+    with steps(f"change spec.engine.maxNumSeqs to {ROLLOUT_MAX_NUM_SEQS}: a rolling update "
+               "while a client keeps streaming"):
+        rolling_update(cluster, base_url, steps)
+
+    with steps("autoscaling (min 1, max 3, waitingRequests): idle, it goes down to min"):
+        cluster.kubectl("patch", "pllm", NAME, "--type=merge",
+                        "-p", json.dumps({"spec": {"autoscaling": AUTOSCALING}}))
+        eventually(lambda: ready_with(cluster, 1), timeout=90, what="1 replica (the minimum)")
+
+    with steps(f"a load generator ({LOAD_CLIENTS} streaming clients) raises queue depth: "
+               "replicas grow"):
+        with Load(base_url, MODEL, LOAD_CLIENTS) as load:
+            eventually(lambda: pagedllm(cluster)["spec"]["replicas"] > 1, timeout=60,
+                       what="the autoscaler to scale up")
+            steps.say(f"   {latest_event(cluster, 'ScaledUp')}")
+            grown = eventually(lambda: scaled_up_and_serving(cluster), timeout=150,
+                               what="the added replicas to serve")
+            steps.say(f"   {grown} replicas serve")
+        assert load.stats.requests > 0
+
+    with steps("load stops: back to min after scaleDownDelaySeconds"):
+        eventually(lambda: ready_with(cluster, 1), timeout=120, what="back to 1 replica")
+        steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
+
+    with steps("kubectl delete pllm/demo: pods and Service gone, no process left"):
+        cluster.kubectl("delete", "pllm", NAME, "--timeout=60s")
+        cluster.kubectl("wait", "--for=delete", "pod", "-l", SELECTOR, "--timeout=120s",
+                        timeout=140)
+        assert "No resources found" in cluster.kubectl("get", "deploy,rs,svc,pdb,pods",
+                                                       "-l", SELECTOR)
+        eventually(lambda: not cluster.pod_processes(), timeout=30,
+                   what="every pod process to exit")
+
+
+def scaled_up_and_serving(cluster: LocalCluster) -> int | None:
+    """The replicas, once the autoscaler's added ones all serve."""
+    body = pagedllm(cluster)
+    wanted = body["spec"]["replicas"]
+    ready = (body.get("status") or {}).get("readyReplicas", 0)
+    return wanted if wanted > 1 and ready == wanted == len(serving_pods(cluster)) else None
+
+
+def latest_event(cluster: LocalCluster, reason: str) -> str:
+    messages = cluster.kubectl("get", "events", f"--field-selector=reason={reason}",
+                               "--sort-by=.lastTimestamp", "-o",
+                               "custom-columns=MESSAGE:.message", "--no-headers")
+    return f"{reason}: {messages.strip().splitlines()[-1]}"
+
+
+def every_pod_answers(cluster: LocalCluster, base_url: str) -> None:
+    """Fresh connections (one per request) are spread over every ready pod."""
+    ready = serving_pods(cluster)
+    before = {p["metadata"]["name"]: pod_metric(p, "vllm:request_success_total") for p in ready}
+    for _ in range(2 * len(ready)):
+        response = httpx.post(f"{base_url}/completions", timeout=60, trust_env=False, json={
+            "model": MODEL, "prompt": "Hello", "max_tokens": 4})
+        response.raise_for_status()
+    after = {p["metadata"]["name"]: pod_metric(p, "vllm:request_success_total") for p in ready}
+    idle = [name for name in before if after[name] <= before[name]]
+    assert not idle, f"pods that served nothing: {idle} ({before} -> {after})"
+
+
+def rolling_update(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
+    old_pods = {p["metadata"]["name"] for p in pods(cluster)}
+    old_hashes = {p["metadata"]["labels"][POD_TEMPLATE_HASH] for p in pods(cluster)}
+    reasons: list[str] = []
+
+    def rolled_out() -> bool:
+        body = pagedllm(cluster)
+        reason = condition(body, "Progressing").get("reason", "")
+        if not reasons or reasons[-1] != reason:
+            reasons.append(reason)
+        current = pods(cluster)
+        return (ready_with(cluster, 3) is not None
+                and reason == "Complete"
+                and not old_pods & {p["metadata"]["name"] for p in current}
+                and all(engine_flag(p, "--max-num-seqs") == str(ROLLOUT_MAX_NUM_SEQS)
+                        for p in current))
+
+    # Short streams back to back, and long ones that outlast a stopping pod's preStop pause,
+    # so that some are still running when their pod is told to drain.
+    with KeepStreaming(base_url, MODEL) as short, \
+            KeepStreaming(base_url, MODEL, max_tokens=LONG_STREAM_TOKENS, ignore_eos=True) as long:
+        time.sleep(1)  # streaming before the rollout starts
+        cluster.kubectl("patch", "pllm", NAME, "--type=merge", "-p", json.dumps(
+            {"spec": {"engine": {"maxNumSeqs": ROLLOUT_MAX_NUM_SEQS}}}))
+        eventually(rolled_out, timeout=240, what="the rollout to finish", interval=0.5)
+        cluster.kubectl("rollout", "status", f"deployment/{NAME}", "--timeout=10s")
+        time.sleep(1)  # and streaming on the new pods
+    for kind, stats in (("short", short.stats), ("long", long.stats)):
+        steps.say(f"   {stats.requests} {kind} streams during the rollout "
+                  f"({stats.tokens} tokens), {len(stats.failures)} failed")
+        assert not stats.failures, f"{kind} streams failed during the rollout: {stats.failures}"
+        assert stats.requests > 0
+    steps.say(f"   Progressing reasons seen: {reasons}")
+    assert "RollingUpdate" in reasons
+    new_hashes = {p["metadata"]["labels"][POD_TEMPLATE_HASH] for p in pods(cluster)}
+    assert len(new_hashes) == 1 and not new_hashes & old_hashes
+    assert not old_pods & set(cluster.pod_processes()), "old pods' processes still run"
+    assert not any(is_terminating(p) for p in pods(cluster))
