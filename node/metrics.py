@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -18,8 +19,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
     multiprocess,
+    values,
 )
-from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 
 from pagedllm.node.scheduler import SchedulerStats
 
@@ -40,6 +41,8 @@ def use_multiprocess_dir(directory: str) -> None:
     """Make this process and the children it starts from now on share ``directory``."""
     os.makedirs(directory, exist_ok=True)
     os.environ[MULTIPROC_ENV] = directory
+    # prometheus_client chose its value storage when it was imported; choose again.
+    values.ValueClass = values.get_value_class()
 
 
 def render() -> bytes:

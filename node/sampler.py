@@ -13,6 +13,8 @@ import torch
 from pagedllm.node.step_plan import SamplingSpec
 
 _MASK64 = (1 << 64) - 1
+# Temperatures below this are greedy: dividing by them overflows float32 logits.
+SAMPLING_EPS = 1e-5
 
 
 def _splitmix64(x: int) -> int:
@@ -81,6 +83,7 @@ def _filter(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= spec.top_p
+        drop[0] = False
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     if spec.min_p > 0.0:
@@ -118,7 +121,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
             tokens = top.indices.tolist()
             results.append(Sampled(tokens, top.values.tolist(), None))
             continue
-        if spec.temperature == 0.0:
+        if spec.temperature < SAMPLING_EPS:
             tokens = [greedy_tokens[i]] * row.num_samples
         else:
             probs = _filter(processed[i], spec)

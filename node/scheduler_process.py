@@ -45,11 +45,11 @@ class SchedulerSpec:
     max_waiting: int | None
     model_name: str
     log_level: str
-    parent_pid: int
+    supervisor_pid: int
 
 
 def run_scheduler(spec: SchedulerSpec) -> None:
-    setup_child("scheduler", spec.log_level, spec.parent_pid)
+    setup_child("scheduler", spec.log_level, spec.supervisor_pid)
     try:
         SchedulerLoop(spec).run()
     except Exception:

@@ -11,12 +11,16 @@ import os
 import sys
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 import zmq
 
 from pagedllm.node import ipc
 from pagedllm.node.child_process import setup_child
 from pagedllm.node.config import EngineConfig
 from pagedllm.node.messages import ProcessReady, WorkerReady
+from pagedllm.node.model_runner import ModelRunner, resolve_device
+from pagedllm.node.plan_check import plan_problem
 from pagedllm.node.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -29,17 +33,19 @@ class WorkerSpec:
     rank: int
     ipc_paths: ipc.IpcPaths
     log_level: str
-    parent_pid: int
+    supervisor_pid: int
 
 
 def torch_threads(tp_size: int) -> int:
-    """The machine's cores shared among the ranks: the workers are where compute happens."""
+    """The cores of the pod shared among the ranks, but one: that one is left to the API
+    servers and the scheduler, which work while a step runs; a compute thread that has to
+    share its core stalls all the others at each synchronization point."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // tp_size)
+    return max(1, ((cores or 1) - 1) // tp_size)
 
 
 def run_worker(spec: WorkerSpec) -> None:
-    setup_child(f"worker {spec.rank}", spec.log_level, spec.parent_pid)
+    setup_child(f"worker {spec.rank}", spec.log_level, spec.supervisor_pid)
     try:
         _serve(spec)
     except Exception:
@@ -48,11 +54,6 @@ def run_worker(spec: WorkerSpec) -> None:
 
 
 def _serve(spec: WorkerSpec) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from pagedllm.node.model_runner import ModelRunner, resolve_device
-
     config, rank, tp_size = spec.config, spec.rank, spec.config.tensor_parallel_size
     torch.set_num_threads(torch_threads(tp_size))
     device = resolve_device(config.device)
@@ -72,14 +73,20 @@ def _serve(spec: WorkerSpec) -> None:
     results = ipc.push(ctx, paths.results) if rank == 0 else None
     if results is not None:
         ipc.send(results, WorkerReady(rank, runner.num_blocks, runner.max_model_len))
-    ipc.send(ipc.push(ctx, paths.control), ProcessReady("worker", rank))
+    control = ipc.push(ctx, paths.control)
+    ipc.send(control, ProcessReady("worker", rank))
     log.info("ready: %d KV blocks, max_model_len %d", runner.num_blocks, runner.max_model_len)
     where = f"worker {rank}"
     while True:
-        plan = ipc.parse(plans.recv(copy=False).bytes, where)
+        plan = ipc.parse(plans.recv(), where)
         if not isinstance(plan, StepPlan):
             if plan is not None:
                 log.warning("%s: ignored a %s message", where, type(plan).__name__)
+            continue
+        problem = plan_problem(plan, runner.seqs, runner.num_blocks, runner.block_size,
+                               runner.model_config.vocab_size)
+        if problem is not None:
+            log.warning("%s: dropped step plan %d: %s", where, plan.step_id, problem)
             continue
         result = runner.execute(plan)
         if results is not None:

@@ -374,3 +374,18 @@ def test_triton_kernels_give_the_same_greedy_tokens_as_torch(checkpoints):
     triton_path = generate_ids(make_llm(directory, block_size=8, kernel_backend="triton"), batch,
                                params)
     assert triton_path == torch_path
+
+
+def test_extreme_but_valid_sampling_values_stay_sane(checkpoints):
+    directory, model = checkpoints["llama"]
+    prompt = prompts([9], seed=13)[0]
+    llm = make_llm(directory)
+    expected = hf_greedy(model, prompt, 4)
+    for params in (
+        SamplingParams(temperature=1e-38, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=1e-46, max_tokens=4, ignore_eos=True, seed=0),
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=1.0, max_tokens=4, ignore_eos=True, seed=0),
+    ):
+        # Each of these leaves only the most likely token.
+        assert generate_ids(llm, [prompt], params) == [expected], params

@@ -1,0 +1,109 @@
+"""The `pagedllm` command.
+
+    pagedllm serve [--model DIR] [--port 8000] ...   serve the OpenAI API (see serve_args)
+    pagedllm generate [--prompt TEXT] ...            one offline generation, printed
+    pagedllm demo-model DIR                          write the built-in demo checkpoint
+    pagedllm download hf://ORG/NAME DIR              fetch a Hugging Face model
+    pagedllm operator [KOPF RUN OPTIONS]             run the Kubernetes operator
+
+Heavy imports (torch, transformers, kopf) happen inside the subcommand that needs them, so
+that `--help` and argument errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+
+from pagedllm.node.serve_args import add_serve_arguments, byte_size, positive_int, serve_args
+
+HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[\w./-]+))?$")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm",
+                                     description="LLM serving with a paged KV cache")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_serve_arguments(serve)
+
+    generate = commands.add_parser("generate", help="generate once, offline, and print it")
+    generate.add_argument("--model", default=None, help="model directory (default: demo)")
+    generate.add_argument("--prompt", default="Hello, my name is")
+    generate.add_argument("--max-tokens", type=positive_int, default=16)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="BYTES")
+
+    demo = commands.add_parser("demo-model", help="write the demo checkpoint into DIR")
+    demo.add_argument("directory", metavar="DIR")
+
+    download = commands.add_parser(
+        "download", help="download hf://ORG/NAME[@REVISION] into DIR (token from $HF_TOKEN)"
+    )
+    download.add_argument("source", metavar="hf://ORG/NAME[@REVISION]")
+    download.add_argument("directory", metavar="DIR")
+
+    commands.add_parser("operator", help="run the Kubernetes operator (kopf run options "
+                                         "follow)", add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["operator"]:
+        # Everything after `operator` belongs to kopf, --help included.
+        from pagedllm.operator import run
+
+        return run(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        settings = serve_args(args, parser)
+        from pagedllm.node.supervisor import serve
+
+        return serve(settings)
+    if args.command == "generate":
+        return _generate(args, parser)
+    if args.command == "demo-model":
+        from pagedllm.node.demo_model import write_demo_model
+
+        print(write_demo_model(args.directory))
+        return 0
+    if args.command == "download":
+        return _download(args, parser)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pagedllm import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                seed=args.seed)
+        llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory)
+    except ValueError as error:
+        parser.error(str(error))
+    output = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    print(args.prompt + output.outputs[0].text)
+    return 0
+
+
+def _download(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    match = HF_URI.match(args.source)
+    if match is None:
+        parser.error(f"expected hf://ORG/NAME or hf://ORG/NAME@REVISION, got {args.source!r}")
+    from huggingface_hub import snapshot_download
+
+    path = snapshot_download(repo_id=match["repo"], revision=match["revision"],
+                             local_dir=args.directory)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Starting the real `pagedllm serve` for tests, and reading what it exposes."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+PAGEDLLM = str(Path(sys.executable).with_name("pagedllm"))
+DEMO_MODEL = "pagedllm-demo"
+START_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    tmp_dir: Path
+    api_key: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        kwargs.setdefault("api_key", self.api_key or "unused")
+        kwargs.setdefault("max_retries", 0)
+        return openai.OpenAI(base_url=f"{self.url}/v1", timeout=120, **kwargs)
+
+    def async_client(self, **kwargs: object) -> openai.AsyncOpenAI:
+        kwargs.setdefault("api_key", self.api_key or "unused")
+        kwargs.setdefault("max_retries", 0)
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", timeout=120, **kwargs)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def socket_path(self, name: str) -> str:
+        """The node's ZeroMQ socket ``name`` (its private directory is under our TMPDIR)."""
+        (path,) = glob.glob(str(self.tmp_dir / "pagedllm-*" / name))
+        return path
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics: name{label="v",...} -> value."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}"] = sample.value
+        return samples
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples named ``name`` whose labels include ``labels``."""
+        wanted = [f'{k}="{v}"' for k, v in labels.items()]
+        return sum(
+            value for key, value in self.metrics().items()
+            if key.split("{", 1)[0] == name and all(w in key for w in wanted)
+        )
+
+    def health(self) -> int:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5).status_code
+        except httpx.HTTPError:
+            return 0
+
+    def wait_until(self, predicate, timeout: float = 30.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}\n{self.log()[-3000:]}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def start_server(tmp_dir: Path, *args: str, api_key: str | None = None,
+                 env: dict[str, str] | None = None) -> Server:
+    """`pagedllm serve` on a free port with a small KV cache, once /health answers 200."""
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    log_path = tmp_dir / "serve.log"
+    full_env = {**os.environ, "TMPDIR": str(tmp_dir), **(env or {})}
+    command = [PAGEDLLM, "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--kv-cache-memory", "32MiB", *args]
+    if api_key is not None:
+        command += ["--api-key", api_key]
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                   env=full_env, start_new_session=True)
+    server = Server(process, port, log_path, tmp_dir, api_key)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while server.health() != 200:
+        if process.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise AssertionError(f"pagedllm serve did not become ready:\n{server.log()}")
+        time.sleep(0.2)
+    return server

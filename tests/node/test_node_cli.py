@@ -1,0 +1,79 @@
+"""The `pagedllm` command: what a user sees from each subcommand and from wrong arguments."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from serve_harness import PAGEDLLM
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.node.demo_model import demo_model_dir
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PAGEDLLM, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_the_subcommands() -> None:
+    result = run("--help")
+    assert result.returncode == 0
+    for command in ("serve", "generate", "demo-model", "download", "operator"):
+        assert command in result.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--block-size", "0"], "expected a positive integer, got 0"),
+    (["--port", "70000"], "a port is at most 65535"),
+    (["--gpu-memory-utilization", "1.5"], "expected a fraction in (0, 1]"),
+    (["--kv-cache-memory", "lots"], "expected a size in bytes"),
+    (["--shutdown-timeout", "-1"], "expected a finite number >= 0"),
+    (["--dtype", "int3"], "invalid choice: 'int3'"),
+    (["--model", "/no/such/model"], "--model /no/such/model: no such directory"),
+    (["--block-size", "512"], "block_size must be at most 256"),
+    (["--tensor-parallel-size", "3"], "tensor-parallel size 3 does not divide"),
+    (["--max-model-len", "4096"], "exceeds the model's max_position_embeddings (2048)"),
+])
+def test_serve_refuses_bad_flags_before_starting_anything(args: list[str], message: str) -> None:
+    result = run("serve", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_serve_refuses_a_directory_that_is_not_a_model(tmp_path: Path) -> None:
+    result = run("serve", "--model", str(tmp_path))
+    assert result.returncode == 2
+    assert "not a Hugging Face model directory" in result.stderr
+
+
+@pytest.mark.parametrize("source", ["hf:/org/name", "s3://bucket/model", "hf://just-a-name"])
+def test_download_refuses_what_is_not_a_hugging_face_uri(source: str, tmp_path: Path) -> None:
+    result = run("download", source, str(tmp_path))
+    assert result.returncode == 2
+    assert "expected hf://ORG/NAME" in result.stderr
+
+
+def test_demo_model_writes_the_builtin_checkpoint(tmp_path: Path) -> None:
+    written = run("demo-model", str(tmp_path / "demo"))
+    assert written.returncode == 0, written.stderr
+    builtin = demo_model_dir()
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        assert (tmp_path / "demo" / name).read_bytes() == (builtin / name).read_bytes(), name
+
+
+def test_generate_prints_the_offline_generation(offline: LLM) -> None:
+    prompt = "The lighthouse keeper"
+    generated = run("generate", "--prompt", prompt, "--max-tokens", "6",
+                    "--kv-cache-memory", "32MiB")
+    assert generated.returncode == 0, generated.stderr
+    (want,) = offline.generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False
+    )
+    assert generated.stdout == prompt + want.outputs[0].text + "\n"
+
+
+def test_operator_hands_its_arguments_to_kopf() -> None:
+    result = run("operator", "--help")
+    assert result.returncode == 0
+    assert "--namespace" in result.stdout
