@@ -35,5 +35,6 @@ e2e: install-test
 lint: install-test
 	$(BIN)/ruff check .
 
-bench: install-test
-	$(BIN)/pip install -e '.[test,bench]'
+bench: install
+	$(BIN)/pip install -e '.[bench]'
+	$(BIN)/python bench/serving.py --setup-peers
