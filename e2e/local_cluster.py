@@ -19,17 +19,16 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import yaml
 from deployment_standin import DeploymentStandin
 from kube_rest import KubeRest
 from kubelet_standin import LOOPBACK, KubeletStandin, free_port, process_group_members
+from polling import eventually
 from service_proxy import ServiceProxies
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,22 +47,6 @@ FAST_OPERATOR_ENV = {
 STANDIN_INTERVAL = 0.25
 # The namespace of the emulator's kubeconfig context, where the stand-ins run things.
 NAMESPACE = "default"
-
-T = TypeVar("T")
-
-
-def eventually(probe: Callable[[], T | None], timeout: float, what: str,
-               interval: float = 0.25) -> T:
-    """Poll until probe() returns something truthy; fail with the last value otherwise."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
-
 
 def _tail(path: Path, lines: int) -> str:
     if not path.exists():

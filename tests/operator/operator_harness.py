@@ -3,14 +3,13 @@ real operator (`kopf run -m pagedllm.operator`) as a child process with fast tim
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import yaml
@@ -23,6 +22,7 @@ if str(E2E) not in sys.path:
 # Re-exported for the fixtures (explicit `as` marks the re-export).
 from kube_emulator import EmulatorThread as EmulatorThread  # noqa: E402
 from kube_emulator import kubeconfig_text as kubeconfig_text  # noqa: E402
+from polling import eventually as _eventually  # noqa: E402
 
 CRD_PATH = REPO / "crds" / "pagedllm.yaml"
 SAMPLES = REPO / "manifests" / "samples"
@@ -37,9 +37,6 @@ OPERATOR_ENV = {
     "PAGEDLLM_OPERATOR_METRICS_TIMEOUT_SECONDS": "1",
     "PAGEDLLM_OPERATOR_DISCOVERY_CACHE_SECONDS": "0.5",
 }
-
-T = TypeVar("T")
-
 
 class Kube:
     """Plain REST calls to the emulator, as any client would make them."""
@@ -86,17 +83,8 @@ class KubeError(Exception):
         self.body = body
 
 
-def eventually(probe: Callable[[], T | None], timeout: float = 10.0, interval: float = 0.1,
-               what: str = "condition") -> T:
-    """Poll until probe() returns something truthy; fail with the last value otherwise."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+# The operator suite polls the in-process emulator more often than the e2e scenario does.
+eventually = functools.partial(_eventually, interval=0.1)
 
 
 def load_crd() -> dict[str, Any]:
