@@ -1,30 +1,35 @@
-"""Paged-attention kernels: Triton on CUDA, pure torch on the CPU.
+"""Paged-attention kernels: Triton on CUDA, a C++ decode kernel and torch on the CPU.
 
 ``kernel_ops(backend)`` returns the module implementing ``paged_attention``, ``write_kv`` and
 ``copy_blocks`` with the contract documented in :mod:`pagedllm.kernels.reference`.
-``backend`` is ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``
-(on the CPU the Triton interpreter is used, see ``triton_device``).
+``backend`` is ``"auto"`` (Triton on CUDA, the CPU backend elsewhere), ``"cpu"`` (a C++
+decode kernel, see ``cpu_ops``), ``"torch"`` (the pure-torch reference) or ``"triton"`` (on
+the CPU the Triton interpreter is used, see ``triton_device``).
 """
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "cpu", "torch", "triton")
+MODULES = {"cpu": "cpu_ops", "torch": "reference", "triton": "triton_ops"}
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" else "cpu"
     return backend
 
 
 def kernel_ops(backend: str, device: torch.device) -> ModuleType:
     name = resolve_backend(backend, device)
-    module = "reference" if name == "torch" else "triton_ops"
-    return importlib.import_module(f"{__name__}.{module}")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu kernel backend runs on CPU tensors, not {device.type}")
+    return importlib.import_module(f"{__name__}.{MODULES[name]}")

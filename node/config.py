@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.kernels import BACKENDS
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -48,9 +50,9 @@ class EngineConfig:
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.kernel_backend not in ("auto", "torch", "triton"):
+        if self.kernel_backend not in BACKENDS:
             raise ValueError(
-                f"kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}"
+                f"kernel_backend must be one of {BACKENDS}, got {self.kernel_backend!r}"
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")

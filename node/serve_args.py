@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from pagedllm.kernels import BACKENDS
 from pagedllm.node.config import DTYPES, EngineConfig
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
@@ -116,8 +117,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    default=True, help="reuse the KV cache of identical prompt prefixes")
     p.add_argument("--seed", type=int, default=0, help="seed of the prefix-cache hash")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--kernel-backend", choices=("auto", "torch", "triton"), default="auto",
-                   help="attention kernels: Triton on CUDA, pure torch elsewhere (auto)")
+    p.add_argument("--kernel-backend", choices=BACKENDS, default="auto",
+                   help="attention kernels: Triton on CUDA, the C++ CPU kernels elsewhere "
+                        "(auto), or the pure-torch reference")
     p.add_argument("--max-waiting", type=positive_int, default=None,
                    help="answer 503 (Retry-After) while this many requests wait (default: "
                         "no limit)")

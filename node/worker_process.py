@@ -39,7 +39,10 @@ class WorkerSpec:
 def torch_threads(tp_size: int) -> int:
     """The cores of the pod shared among the ranks, but one: that one is left to the API
     servers and the scheduler, which work while a step runs; a compute thread that has to
-    share its core stalls all the others at each synchronization point."""
+    share its core stalls all the others at each synchronization point. ``OMP_NUM_THREADS``,
+    when set, is the count per rank instead."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, ((cores or 1) - 1) // tp_size)
 

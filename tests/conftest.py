@@ -2,6 +2,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 # Triton kernels run in its interpreter where there is no GPU; the variable must be set before
 # anything imports triton.
 if not Path("/dev/nvidiactl").exists():
@@ -9,3 +11,12 @@ if not Path("/dev/nvidiactl").exists():
 
 # Test helpers (fake workers, tiny model builders) live beside the tests.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """Compile the C++ CPU kernels once, up front, rather than inside whichever test first
+    starts an engine (the build is cached on disk for the servers the tests start)."""
+    from pagedllm.kernels import cpu_extension
+
+    cpu_extension.load()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pagedllm.kernels import kernel_ops, reference, triton_ops
+from pagedllm.kernels import cpu_extension, cpu_ops, kernel_ops, reference, triton_ops
 from pagedllm.kernels.triton_device import is_interpreting, triton
 from pagedllm.kernels.unified_attention import choose_num_kv_splits, unified_attention
 
@@ -119,6 +119,25 @@ class PagedBatch:
             case.sliding_window,
             max(case.q_lens),
             num_kv_splits,
+        )
+
+    def run_cpu(self, case: AttentionCase, clean_caches: bool = False) -> torch.Tensor:
+        """The CPU backend on CPU copies; ``clean_caches`` zeroes the NaN for its torch
+        fallback, which, like the reference, gathers whole blocks."""
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if clean_caches:
+            k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+        return cpu_ops.paged_attention(
+            self.q.cpu(),
+            k_cache.cpu(),
+            v_cache.cpu(),
+            self.block_tables.cpu(),
+            self.cu_seqlens_q.cpu(),
+            self.seq_lens_k.cpu(),
+            self.scale,
+            sliding_window=case.sliding_window,
+            max_seqlen_q=max(case.q_lens),
+            max_seqlen_k=max(case.kv_lens),
         )
 
     def run_reference(self, case: AttentionCase) -> torch.Tensor:
@@ -270,15 +289,45 @@ def test_split_kv_matches_reference(case: AttentionCase, num_kv_splits: int):
     assert_attention_close(batch.run_triton(case, num_kv_splits), expected, case.dtype)
 
 
+SLIDING_WINDOW_CASES = [
+    AttentionCase(4, 2, 64, 16, torch.float16, (1, 30, 1, 12), (90, 70, 16, 12), window)
+    for window in (1, 7, 16, 45)
+]
+
+
 @pytest.mark.parametrize("num_kv_splits", (1, 4))
-@pytest.mark.parametrize("sliding_window", (1, 7, 16, 45))
-def test_sliding_window_matches_reference(sliding_window: int, num_kv_splits: int):
-    case = AttentionCase(
-        4, 2, 64, 16, torch.float16, (1, 30, 1, 12), (90, 70, 16, 12), sliding_window
-    )
-    batch = build_batch(case, random.Random(sliding_window))
+@pytest.mark.parametrize("case", SLIDING_WINDOW_CASES, ids=case_id)
+def test_sliding_window_matches_reference(case: AttentionCase, num_kv_splits: int):
+    batch = build_batch(case, random.Random(case.sliding_window))
     expected = batch.run_reference(case)
     assert_attention_close(batch.run_triton(case, num_kv_splits), expected, case.dtype)
+
+
+CPU_CASES = RANDOMIZED_CASES + DECODE_CASES + SLIDING_WINDOW_CASES
+
+
+def test_cpu_kernels_build_with_the_system_compiler():
+    assert cpu_extension.load(), "the C++ CPU kernels did not build (see the warning logged)"
+    assert kernel_ops("auto", torch.device("cpu")) is cpu_ops
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=case_id)
+def test_cpu_backend_matches_reference(case: AttentionCase):
+    """The C++ decode kernel reads only slots that hold tokens: the NaN stays unread."""
+    assert cpu_extension.load()
+    batch = build_batch(case, random.Random(case_id(case)))
+    expected = batch.run_reference(case).cpu()
+    assert_attention_close(batch.run_cpu(case), expected, case.dtype)
+
+
+@pytest.mark.parametrize("case", CPU_CASES[::3], ids=case_id)
+def test_cpu_backend_without_the_compiled_kernel_matches_reference(
+    case: AttentionCase, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(cpu_extension, "load", lambda: False)
+    batch = build_batch(case, random.Random(case_id(case)))
+    expected = batch.run_reference(case).cpu()
+    assert_attention_close(batch.run_cpu(case, clean_caches=True), expected, case.dtype)
 
 
 def test_paged_attention_without_max_seqlens_reads_them_from_the_batch():
@@ -323,11 +372,15 @@ def test_write_kv_matches_reference(key_dtype: torch.dtype, cache_dtype: torch.d
     v_cache = torch.randn(shape, generator=generator).to(cache_dtype).to(DEVICE)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
 
+    cpu_k, cpu_v = k_cache.cpu().clone(), v_cache.cpu().clone()
     triton_ops.write_kv(key, value, k_cache, v_cache, slots.to(DEVICE))
     reference.write_kv(key, value, expected_k, expected_v, slots.to(DEVICE))
+    cpu_ops.write_kv(key.cpu(), value.cpu(), cpu_k, cpu_v, slots)
 
     assert torch.equal(k_cache, expected_k)
     assert torch.equal(v_cache, expected_v)
+    assert torch.equal(cpu_k, expected_k.cpu())
+    assert torch.equal(cpu_v, expected_v.cpu())
 
 
 def make_layers(

@@ -1,0 +1,93 @@
+"""Building and loading the C++ CPU kernels (``csrc/paged_attention_cpu.cpp``).
+
+The source is compiled once per machine kind with the system C++ compiler, through torch's
+extension builder, into ``$PAGEDLLM_KERNEL_DIR`` (by default ``kernels/`` under the cache
+directory, ``$PAGEDLLM_CACHE_DIR`` or ``~/.cache/pagedllm``). The build directory is named
+after a hash of the source, the compiler flags and the torch version, and a finished build is
+loaded straight from it, so a read-only directory prepared ahead (a container image) works.
+Without a compiler the kernels are simply unavailable and the callers fall back to torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NAME = "pagedllm_cpu"
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+KERNEL_DIR_ENV = "PAGEDLLM_KERNEL_DIR"
+CACHE_DIR_ENV = "PAGEDLLM_CACHE_DIR"
+DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"  # "0" turns them off
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def compiler_flags() -> list[str]:
+    """-O3 and, where the CPU has AVX2 and FMA, the x86-64-v3 level (portable across the
+    servers of the last decade, unlike -march=native)."""
+    flags = ["-O3", "-fopenmp", "-fopenmp-simd"]
+    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "bmi2"} <= cpu_flags():
+        flags.append("-march=x86-64-v3")
+    return flags
+
+
+def build_dir() -> Path:
+    root = os.environ.get(KERNEL_DIR_ENV)
+    if not root:
+        cache_root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "pagedllm"
+        root = Path(cache_root) / "kernels"
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(compiler_flags()).encode(),
+                 torch.__version__.encode(), sys.version.encode()):
+        digest.update(part)
+    return Path(root) / f"{NAME}-{digest.hexdigest()[:16]}"
+
+
+def _build(target: Path) -> None:
+    from torch.utils import cpp_extension
+
+    target.mkdir(parents=True, exist_ok=True)
+    log.info("compiling the CPU attention kernels into %s (once per machine kind)", target)
+    cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=compiler_flags(),
+                       build_directory=str(target), is_python_module=False, verbose=False)
+
+
+@cache
+def load() -> bool:
+    """Whether ``torch.ops.pagedllm_cpu`` is available, building it on first use."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return False
+    try:
+        target = build_dir()
+        library = target / f"{NAME}.so"
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            _build(target)
+        return hasattr(torch.ops.pagedllm_cpu, "paged_decode_attention")
+    except Exception as exc:  # no compiler, no ninja, a read-only cache...
+        log.warning("CPU attention kernels unavailable (%s); using torch's", exc)
+        return False
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    sys.exit(0 if load() else 1)

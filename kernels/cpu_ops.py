@@ -1,0 +1,128 @@
+"""The CPU backend: paged attention, KV write and block copy for CPU tensors.
+
+Same contract as :mod:`pagedllm.kernels.reference`. Decode rows (one new token) go through the
+C++ kernel of :mod:`pagedllm.kernels.cpu_extension`, which reads K/V in place through the
+block table; where it cannot be built they gather their blocks and use torch's
+``scaled_dot_product_attention``. Prefill chunks gather their sequence's blocks and use
+``scaled_dot_product_attention`` with the causal mask of their positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels import cpu_extension
+from pagedllm.kernels.reference import copy_blocks
+
+__all__ = ["copy_blocks", "paged_attention", "write_kv"]
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key``/``value`` into the cache; a slot of -1 is not written."""
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        key, value, slots = key[keep], value[keep], slots[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[B, Hkv, num_tokens, D]`` (a strided view of a copy) of each sequence's first tokens."""
+    num_blocks = (num_tokens + cache.shape[1] - 1) // cache.shape[1]
+    blocks = cache[block_tables[:, :num_blocks].long()]
+    flat = blocks.reshape(blocks.shape[0], -1, *cache.shape[2:])
+    return flat[:, :num_tokens].transpose(1, 2)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+          scale: float) -> torch.Tensor:
+    """q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, allowed ``[B, Lq, Lk]`` -> ``[B, Lq, Hq, D]``.
+
+    Rows with no allowed key (a window past every key cannot happen, but padding can) give 0.
+    """
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale,
+                                         enable_gqa=True)
+    return out.nan_to_num(0.0).transpose(1, 2)
+
+
+def _allowed(q_positions: torch.Tensor, k_len: torch.Tensor, num_keys: int,
+             sliding_window: int | None) -> torch.Tensor:
+    """``[B, Lq, Lk]``: which keys each query may see (causal, within the sequence and window)."""
+    k_pos = torch.arange(num_keys, device=q_positions.device)[None, None, :]
+    allowed = (k_pos <= q_positions[:, :, None]) & (k_pos < k_len[:, None, None])
+    if sliding_window is not None:
+        allowed &= k_pos > q_positions[:, :, None] - sliding_window
+    return allowed
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One query per sequence (``q`` is ``[num_seqs, Hq, D]``) over its ``seq_lens_k`` keys."""
+    seq_lens_k = seq_lens_k.long().contiguous()
+    if cpu_extension.load():
+        return torch.ops.pagedllm_cpu.paged_decode_attention(
+            q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(), seq_lens_k,
+            scale, sliding_window or 0)
+    num_keys = int(seq_lens_k.max())
+    k = _gather(k_cache, block_tables, num_keys)
+    v = _gather(v_cache, block_tables, num_keys)
+    allowed = _allowed((seq_lens_k - 1)[:, None], seq_lens_k, num_keys, sliding_window)
+    return _sdpa(q[:, :, None], k, v, allowed, scale)[:, 0]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over all of its cached KV."""
+    num_seqs = seq_lens_k.shape[0]
+    if num_seqs == 0:
+        return torch.empty_like(q)
+    if q.dtype != k_cache.dtype:  # a cache kept in another dtype than the activations
+        return paged_attention(q.to(k_cache.dtype), k_cache, v_cache, block_tables,
+                               cu_seqlens_q, seq_lens_k, scale, sliding_window, max_seqlen_q,
+                               max_seqlen_k).to(q.dtype)
+    if max_seqlen_q == 1 and q.shape[0] == num_seqs:  # a pure decode step
+        return decode_attention(q, k_cache, v_cache, block_tables, seq_lens_k, scale,
+                                sliding_window)
+    out = q.new_zeros(q.shape)
+    seq_lens_k = seq_lens_k.long()
+    starts = cu_seqlens_q[:-1].long()
+    q_lens = cu_seqlens_q[1:].long() - starts
+    decode = (q_lens == 1).nonzero()[:, 0]
+    if decode.numel():
+        rows = starts[decode]
+        out[rows] = decode_attention(q[rows], k_cache, v_cache, block_tables[decode],
+                                     seq_lens_k[decode], scale, sliding_window)
+    for i in (q_lens > 1).nonzero()[:, 0].tolist():
+        start, q_len, k_len = int(starts[i]), int(q_lens[i]), int(seq_lens_k[i])
+        k = _gather(k_cache, block_tables[i : i + 1], k_len)
+        v = _gather(v_cache, block_tables[i : i + 1], k_len)
+        positions = torch.arange(k_len - q_len, k_len, device=q.device)[None]
+        allowed = _allowed(positions, seq_lens_k[i : i + 1], k_len, sliding_window)
+        out[start : start + q_len] = _sdpa(
+            q[None, start : start + q_len].transpose(1, 2), k, v, allowed, scale)[0]
+    return out
