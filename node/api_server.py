@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -44,6 +45,7 @@ class ApiServerSpec:
     port: int
     log_level: str
     supervisor_pid: int
+    nice: int = 0
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -68,6 +70,8 @@ class _Server(uvicorn.Server):
 
 def run_api_server(spec: ApiServerSpec) -> None:
     setup_child(f"api server {spec.index}", spec.log_level, spec.supervisor_pid)
+    if spec.nice:
+        os.nice(spec.nice)
     try:
         sock = bind(spec.host, spec.port)
     except OSError as error:

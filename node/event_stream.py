@@ -30,6 +30,9 @@ async def unless_disconnected(work: Awaitable[T], receive: Receive) -> T | None:
         watch.cancel()
         if not work_task.done():
             work_task.cancel()
+            # Let it unwind: until then it still runs ``work`` (an event generator, say), which
+            # the caller may want to close.
+            await asyncio.wait({work_task})
     if work_task.cancelled() or not work_task.done():
         return None
     return work_task.result()

@@ -17,6 +17,8 @@ from pagedllm.node.config import DTYPES, EngineConfig
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 DEMO_MODEL_NAME = "pagedllm-demo"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# The front processes yield the CPU to the workers' compute threads (see --api-server-nice).
+DEFAULT_API_SERVER_NICE = 10
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -34,6 +36,7 @@ class ServeArgs:
     max_waiting: int | None
     shutdown_timeout: float
     api_server_count: int
+    api_server_nice: int
     log_level: str
 
 
@@ -44,6 +47,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def niceness(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value <= 19:
+        raise argparse.ArgumentTypeError(f"a niceness is between 0 and 19, got {value}")
     return value
 
 
@@ -128,6 +141,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long in-flight requests may run before exit")
     p.add_argument("--api-server-count", type=positive_int, default=1,
                    help="HTTP front processes sharing the port")
+    p.add_argument("--api-server-nice", type=niceness, default=DEFAULT_API_SERVER_NICE,
+                   metavar="0-19",
+                   help="CPU niceness of the HTTP front processes: their work (HTTP, "
+                        "detokenization) then waits for the gaps between the workers' compute "
+                        "instead of stalling it; 0 keeps the workers' priority")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
@@ -182,5 +200,6 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
         max_waiting=ns.max_waiting,
         shutdown_timeout=ns.shutdown_timeout,
         api_server_count=ns.api_server_count,
+        api_server_nice=ns.api_server_nice,
         log_level=ns.log_level,
     )

@@ -129,7 +129,7 @@ class Supervisor:
             plans.append(("api_server", index, run_api_server, ApiServerSpec(
                 index, paths, self.tokenizer, args.model_dir, args.model_names,
                 args.max_model_len, args.vocab_size, args.api_key, args.host, args.port,
-                args.log_level, pid)))
+                args.log_level, pid, args.api_server_nice)))
         context = multiprocessing.get_context(_start_method())
         for kind, index, target, spec in plans:
             process = context.Process(target=target, args=(spec,),

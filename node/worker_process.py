@@ -37,14 +37,14 @@ class WorkerSpec:
 
 
 def torch_threads(tp_size: int) -> int:
-    """The cores of the pod shared among the ranks, but one: that one is left to the API
-    servers and the scheduler, which work while a step runs; a compute thread that has to
-    share its core stalls all the others at each synchronization point. ``OMP_NUM_THREADS``,
-    when set, is the count per rank instead."""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        return int(os.environ["OMP_NUM_THREADS"])
+    """Compute threads per rank: ``OMP_NUM_THREADS`` when set, else the pod's cores shared
+    among the ranks. The API servers run niced (``--api-server-nice``), so their work fills
+    the gaps between steps rather than stalling a compute thread mid-step."""
+    configured = os.environ.get("OMP_NUM_THREADS", "")
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, ((cores or 1) - 1) // tp_size)
+    return max(1, (cores or 1) // tp_size)
 
 
 def run_worker(spec: WorkerSpec) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -51,6 +52,12 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def pid(self, role: str) -> int:
+        """The pid of a child as its log lines name it: ``worker 1``, ``api server 0``..."""
+        match = re.search(rf"\[{role} pid (\d+)\]", self.log())
+        assert match, self.log()
+        return int(match.group(1))
 
     def socket_path(self, name: str) -> str:
         """The node's ZeroMQ socket ``name`` (its private directory is under our TMPDIR)."""

@@ -29,6 +29,7 @@ def test_help_lists_the_subcommands() -> None:
     (["--gpu-memory-utilization", "1.5"], "expected a fraction in (0, 1]"),
     (["--kv-cache-memory", "lots"], "expected a size in bytes"),
     (["--shutdown-timeout", "-1"], "expected a finite number >= 0"),
+    (["--api-server-nice", "20"], "a niceness is between 0 and 19, got 20"),
     (["--dtype", "int3"], "invalid choice: 'int3'"),
     (["--model", "/no/such/model"], "--model /no/such/model: no such directory"),
     (["--block-size", "512"], "block_size must be at most 256"),

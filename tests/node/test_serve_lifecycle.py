@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 import time
@@ -74,6 +75,7 @@ def test_200_streams_with_half_hanging_up_early(server: Server) -> None:
     assert server.metric("vllm:kv_cache_usage_perc") == 0.0
     assert server.metric("vllm:request_success_total", finished_reason="abort") >= 100
     assert server.process.poll() is None and server.health() == 200
+    assert "Traceback" not in server.log()
 
 
 def test_a_client_leaving_a_whole_response_request_aborts_it(server: Server) -> None:
@@ -87,6 +89,14 @@ def test_a_client_leaving_a_whole_response_request_aborts_it(server: Server) -> 
                       what="the abandoned request to be aborted")
     assert server.metric("vllm:kv_cache_usage_perc") == 0.0
     assert server.metric("vllm:request_success_total", finished_reason="abort") == aborted + 1
+
+
+def test_the_api_servers_yield_the_cpu_to_the_worker(server: Server) -> None:
+    """--api-server-nice defaults to 10: the HTTP fronts run niced, the compute does not."""
+    for role in ("api server 0", "api server 1"):
+        assert os.getpriority(os.PRIO_PROCESS, server.pid(role)) == 10
+    for role in ("worker 0", "scheduler"):
+        assert os.getpriority(os.PRIO_PROCESS, server.pid(role)) == 0
 
 
 def test_malformed_messages_are_dropped_and_the_node_keeps_serving(server: Server) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -44,12 +43,6 @@ def test_two_ranks_give_the_greedy_tokens_of_one(server: Server, offline: LLM) -
         ]
 
 
-def _worker_pid(server: Server, rank: int) -> int:
-    match = re.search(rf"\[worker {rank} pid (\d+)\]", server.log())
-    assert match, server.log()
-    return int(match.group(1))
-
-
 def test_killing_a_worker_fails_requests_and_exits_nonzero_within_5s(server: Server) -> None:
     events: list[dict] = []
     streaming = threading.Event()
@@ -67,7 +60,7 @@ def test_killing_a_worker_fails_requests_and_exits_nonzero_within_5s(server: Ser
     reader = threading.Thread(target=stream)
     reader.start()
     assert streaming.wait(30)
-    os.kill(_worker_pid(server, 1), signal.SIGKILL)
+    os.kill(server.pid("worker 1"), signal.SIGKILL)
     killed = time.monotonic()
     health: list[int] = []
     while server.process.poll() is None and time.monotonic() - killed < 10:
