@@ -1,19 +1,17 @@
 """What the multi-process node costs over the in-process engine, per decode step.
 
-Runs the same work both ways on the demo model: BATCH greedy requests of TOKENS tokens each
-(EOS ignored), once through `LLMEngine.step()` in this process, once through a real
-`pagedllm serve` (API server, scheduler and worker processes, ZeroMQ between them) with
-concurrent HTTP requests. A decode step is timed in-process as the mean `step()` after the
-prefill, and in the node as the mean gap between a request's successive outputs reaching the
-API server (vllm:inter_token_latency_seconds), so that both count detokenization and neither
-counts how the HTTP requests trickle in. Best of REPEATS. The in-process engine runs with
-torch's default threads and with the node worker's (which leaves a core to the API server and
-the scheduler). The overhead that counts is against the faster of the two; the one against the
-same thread count shows what the processes and their messages cost by themselves. The last
-column is the scheduler's own view of a node step (plan sent to samples back), which leaves
-out the HTTP front. Target: the node adds at most 10 % at batch 32.
+Runs the same work both ways on the demo model: BATCH greedy requests (EOS ignored), once
+through `LLMEngine.step()` in this process, once through a real `pagedllm serve` (API server,
+scheduler and worker processes, ZeroMQ between them) with concurrent HTTP requests. Each way
+the whole batch is timed twice, with TOKENS tokens per request and with SHORT; the difference
+divided by TOKENS - SHORT is the time of one decode step, so that what happens once per
+request (HTTP, tokenization, prefill, the last response) cancels out and what happens every
+step (scheduling, plans and samples between processes, detokenization) stays in. Best of
+REPEATS, the two ways interleaved. The last column is the scheduler's own view of a node step
+(plan sent to samples back: the worker's compute). Target: the node adds at most 10 % at
+batch 32.
 
-    python bench/ipc.py [--tokens 64] [--repeats 7] [--batches 1 32]
+    python bench/ipc.py [--tokens 64] [--short 8] [--repeats 7] [--batches 1 32]
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,17 +50,19 @@ def prompts(batch: int) -> list[str]:
     return [f"Benchmark request number {i} says" for i in range(batch)]
 
 
-def in_process_step_s(engine: LLMEngine, batch: int, tokens: int) -> float:
+def in_process_wall_s(engine: LLMEngine, batch: int, tokens: int) -> float:
+    """Seconds for the engine to run ``batch`` requests of ``tokens`` tokens to the end."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
     for prompt in prompts(batch):
         engine.add_request(prompt, params)
-    engine.step()  # the prefill
-    steps = 0
-    started = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-        steps += 1
-    return (time.perf_counter() - started) / steps
+    return time.perf_counter() - started
+
+
+def per_step_s(wall: Callable[[int], float], tokens: int, short: int) -> float:
+    return (wall(tokens) - wall(short)) / (tokens - short)
 
 
 class Node:
@@ -93,7 +94,8 @@ class Node:
         except httpx.HTTPError:
             return False
 
-    def run(self, batch: int, tokens: int) -> None:
+    def wall_s(self, batch: int, tokens: int) -> float:
+        """Seconds for ``batch`` concurrent requests of ``tokens`` tokens to be answered."""
         def one(prompt: str) -> None:
             response = self.http.post("/v1/completions", json={
                 "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
@@ -102,28 +104,19 @@ class Node:
             assert response.json()["usage"]["completion_tokens"] == tokens
 
         with ThreadPoolExecutor(batch) as pool:
+            started = time.perf_counter()
             list(pool.map(one, prompts(batch)))
+            return time.perf_counter() - started
 
-    def histogram(self, name: str) -> tuple[float, float]:
-        """(sum, count) of histogram ``name`` so far."""
+    def scheduler_step_s(self) -> tuple[float, float]:
+        """(sum, count) of the scheduler's plan-to-samples times so far."""
         values = {"sum": 0.0, "count": 0.0}
+        name = "pagedllm:step_duration_seconds"
         for line in self.http.get("/metrics").text.splitlines():
             for part in values:
                 if line.startswith(f"{name}_{part}"):
                     values[part] = float(line.rsplit(" ", 1)[1])
         return values["sum"], values["count"]
-
-    def step_s(self, batch: int, tokens: int) -> tuple[float, float]:
-        """Mean seconds per decode step: as the API server sees outputs arrive, and as the
-        scheduler sees the workers answer."""
-        names = ("vllm:inter_token_latency_seconds", "pagedllm:step_duration_seconds")
-        before = [self.histogram(name) for name in names]
-        self.run(batch, tokens)
-        after = [self.histogram(name) for name in names]
-        itl, step = (
-            (a[0] - b[0]) / max(1.0, a[1] - b[1]) for a, b in zip(after, before, strict=True)
-        )
-        return itl, step
 
     def close(self) -> None:
         self.http.close()
@@ -135,39 +128,39 @@ class Node:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--short", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     args = parser.parse_args()
+    if not 1 <= args.short < args.tokens:
+        parser.error("--short must be at least 1 and below --tokens")
 
     engine = LLMEngine(EngineConfig(kv_cache_memory=KV_CACHE_MEMORY))
     node = Node(Path(tempfile.mkdtemp(prefix="pagedllm-bench-ipc-")))
-    default_threads, worker_threads = torch.get_num_threads(), torch_threads(1)
-    print(f"demo model, {args.tokens} tokens per request, best of {args.repeats}, "
-          f"{os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f}); torch threads: "
-          f"in-process {default_threads} or {worker_threads}, node worker {worker_threads}")
-    print(f"{'batch':>5}  {f'in-proc/{default_threads}t':>12}  {f'in-proc/{worker_threads}t':>12}"
-          f"  {'node':>10}  {'overhead':>8}  {'same threads':>12}  {'scheduler view':>14}")
+    threads = torch.get_num_threads()
+    print(f"demo model, {args.tokens} - {args.short} tokens per request, best of "
+          f"{args.repeats}, {os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f}); "
+          f"torch threads: in-process {threads}, node worker {torch_threads(1)}")
+    print(f"{'batch':>5}  {'in-process':>10}  {'node':>10}  {'overhead':>8}  "
+          f"{'scheduler view':>14}")
     results = {}
     try:
         for batch in args.batches:
-            in_process_step_s(engine, batch, 4)  # warm-up
-            node.run(batch, 4)
-            local: dict[int, list[float]] = {default_threads: [], worker_threads: []}
-            remote, sched = [], []
+            in_process_wall_s(engine, batch, 4)  # warm-up
+            node.wall_s(batch, 4)
+            local, remote, sched = [], [], []
             for _ in range(args.repeats):  # interleaved, so that both see the same machine
-                for threads in local:
-                    torch.set_num_threads(threads)
-                    local[threads].append(in_process_step_s(engine, batch, args.tokens))
-                itl, step = node.step_s(batch, args.tokens)
-                remote.append(itl)
-                sched.append(step)
-            best = {threads: min(times) for threads, times in local.items()}
-            overhead = min(remote) / min(best.values()) - 1
-            same_threads = min(remote) / best[worker_threads] - 1
+                local.append(per_step_s(lambda n, b=batch: in_process_wall_s(engine, b, n),
+                                        args.tokens, args.short))
+                before = node.scheduler_step_s()
+                remote.append(per_step_s(lambda n, b=batch: node.wall_s(b, n),
+                                         args.tokens, args.short))
+                after = node.scheduler_step_s()
+                sched.append((after[0] - before[0]) / max(1.0, after[1] - before[1]))
+            overhead = min(remote) / min(local) - 1
             results[batch] = overhead
-            print(f"{batch:>5}  {best[default_threads] * 1e3:>10.2f}ms  "
-                  f"{best[worker_threads] * 1e3:>10.2f}ms  {min(remote) * 1e3:>8.2f}ms  "
-                  f"{overhead:>+8.1%}  {same_threads:>+12.1%}  {min(sched) * 1e3:>12.2f}ms")
+            print(f"{batch:>5}  {min(local) * 1e3:>8.2f}ms  {min(remote) * 1e3:>8.2f}ms  "
+                  f"{overhead:>+8.1%}  {min(sched) * 1e3:>12.2f}ms")
     finally:
         node.close()
     if 32 in results:
