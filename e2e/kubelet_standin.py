@@ -52,12 +52,15 @@ import httpx
 from deployment_standin import KUBELET_FINALIZER, is_terminating
 from kube_rest import KubeApiError, KubeRest, collection_path
 
+from pagedllm.kernels import cpu_extension
 from pagedllm.operator.children import METRICS_PORT_ANNOTATION
 
 HOST_PORTS_ANNOTATION = "e2e.pagedllm.io/host-ports"
 LOOPBACK = "127.0.0.1"
-# The ENV lines of manifests/Dockerfile: what the image gives every container.
-IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+# The ENV lines of manifests/Dockerfile: what the image gives every container. Its CPU kernels
+# are built into the image; here, the machine's own build stands in (see LocalCluster).
+IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
+             cpu_extension.KERNEL_DIR_ENV: str(cpu_extension.build_dir().parent)}
 DEFAULT_GRACE_SECONDS = 30
 MAX_RESTART_BACKOFF = 20.0
 POLL_SECONDS = 0.1

@@ -31,6 +31,8 @@ from kubelet_standin import LOOPBACK, KubeletStandin, free_port, process_group_m
 from polling import eventually
 from service_proxy import ServiceProxies
 
+from pagedllm.kernels import cpu_extension
+
 REPO = Path(__file__).resolve().parents[1]
 E2E = REPO / "e2e"
 # The virtual environment running the tests: where the image would have `pagedllm`.
@@ -158,6 +160,8 @@ class LocalCluster:
         self._check_running(self.api_server)
         config = yaml.safe_load(self.kubeconfig.read_text())
         self.server = config["clusters"][0]["cluster"]["server"]
+        # The image's build step: its CPU kernels, compiled once, read by every pod.
+        assert cpu_extension.load(), "the CPU kernels did not build"
         self.standins = Standins(self.server, NAMESPACE, self.workdir)
         self.standins.start()
 

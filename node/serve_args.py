@@ -172,6 +172,12 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
     except ValueError as error:
         parser.error(str(error))
     # Reading the model pulls in torch: only once the cheap checks passed.
+    import torch
+
+    # This process only supervises, and forks the workers. What torch computes here (writing
+    # the demo model) stays on one thread, so that no OpenMP thread pool exists yet at the fork:
+    # a pool inherited through fork deadlocks the child's first parallel region.
+    torch.set_num_threads(1)
     from pagedllm.node.engine import resolve_model_dir
     from pagedllm.node.model_config import ModelLoadError, read_model_config
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,3 +41,17 @@ def test_package_folders_map_to_subpackages():
     assert Path(node_file) == ROOT / "node" / "__init__.py"
     assert Path(kernels_file) == ROOT / "kernels" / "__init__.py"
     assert llm_module == "pagedllm.node.llm"
+
+
+def test_the_wheel_carries_the_data_files_and_the_kernel_source(tmp_path: Path):
+    """What a non-editable install (the container image) gets: templates, word lists and the
+    C++ source the CPU kernels are built from."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    (wheel,) = tmp_path.glob("pagedllm-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "pagedllm/kernels/csrc/paged_attention_cpu.cpp" in names
+    assert any(n.startswith("pagedllm/node/data/") and n.endswith(".jinja") for n in names)

@@ -6,10 +6,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from serve_harness import PAGEDLLM
+from serve_harness import DEMO_MODEL, PAGEDLLM, start_server
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.node.demo_model import demo_model_dir
+from pagedllm.kernels import cpu_extension
+from pagedllm.node.demo_model import DEMO_MODEL_DIR_NAME, demo_model_dir
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -78,3 +79,20 @@ def test_operator_hands_its_arguments_to_kopf() -> None:
     result = run("operator", "--help")
     assert result.returncode == 0
     assert "--namespace" in result.stdout
+
+
+def test_serve_first_writes_the_demo_model_then_its_workers_compute(tmp_path: Path) -> None:
+    """With an empty cache the supervisor writes the demo model (torch work) before it forks
+    the workers; their first multi-threaded step must not inherit a dead thread pool."""
+    cache = tmp_path / "cache"
+    server = start_server(tmp_path / "run", env={
+        "PAGEDLLM_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "2",
+        cpu_extension.KERNEL_DIR_ENV: str(cpu_extension.build_dir().parent),
+    })
+    try:
+        assert (cache / DEMO_MODEL_DIR_NAME / "model.safetensors").is_file()
+        completion = server.client().completions.create(
+            model=DEMO_MODEL, prompt="A fresh cache", max_tokens=4, temperature=0)
+        assert completion.usage.completion_tokens == 4
+    finally:
+        server.stop()
