@@ -7,9 +7,9 @@ the whole batch is timed twice, with TOKENS tokens per request and with SHORT; t
 divided by TOKENS - SHORT is the time of one decode step, so that what happens once per
 request (HTTP, tokenization, prefill, the last response) cancels out and what happens every
 step (scheduling, plans and samples between processes, detokenization) stays in. Best of
-REPEATS, the two ways interleaved. The last column is the scheduler's own view of a node step
-(plan sent to samples back: the worker's compute). Target: the node adds at most 10 % at
-batch 32.
+REPEATS, the two ways interleaved. The last column is the scheduler's view of the worker's
+time on a step (from the plan's arrival, or the end of the step before, to the samples back).
+Target: the node adds at most 10 % at batch 32.
 
     python bench/ipc.py [--tokens 64] [--short 8] [--repeats 7] [--batches 1 32]
 """

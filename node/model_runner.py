@@ -15,6 +15,7 @@ from pagedllm.node.config import EngineConfig
 from pagedllm.node.model_loader import load_model
 from pagedllm.node.sampler import SampleRow, sample
 from pagedllm.node.step_plan import (
+    LAST_SAMPLE,
     NewSequence,
     PromptLogprobs,
     SeqSample,
@@ -66,6 +67,8 @@ class ModelRunner:
             mc.head_dim, self.dtype, self.device,
         )
         self.seqs: dict[int, NewSequence] = {}
+        # seq id -> the (first) token sampled for it in the last step that sampled it
+        self.last_samples: dict[int, int] = {}
         log.info("KV cache: %d blocks of %d tokens (%d bytes)", self.num_blocks,
                  self.block_size, memory)
 
@@ -125,6 +128,7 @@ class ModelRunner:
     def _apply(self, plan: StepPlan) -> None:
         for seq_id in plan.finished:
             self.seqs.pop(seq_id, None)
+            self.last_samples.pop(seq_id, None)
         for new in plan.new:
             # The worker's own copy: later plans only send what changes.
             self.seqs[new.seq_id] = dataclasses.replace(
@@ -132,7 +136,10 @@ class ModelRunner:
             )
         for update in plan.running:
             seq = self.seqs[update.seq_id]
-            seq.token_ids.extend(update.new_token_ids)
+            seq.token_ids.extend(
+                self.last_samples[update.seq_id] if t == LAST_SAMPLE else t
+                for t in update.new_token_ids
+            )
             del seq.block_ids[update.blocks_from :]
             seq.block_ids.extend(update.block_ids)
             seq.num_computed_tokens = update.num_computed_tokens
@@ -208,6 +215,7 @@ class ModelRunner:
                 for seq_id, seq in sampled
             ]
             for (seq_id, _), out in zip(sampled, sample(logits, rows), strict=True):
+                self.last_samples[seq_id] = out.token_ids[0]
                 result.samples.append(
                     SeqSample(seq_id, out.token_ids, out.logprobs, out.top_logprobs)
                 )

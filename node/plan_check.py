@@ -7,14 +7,16 @@ inside the model runner; the worker drops it instead, whole.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
-from pagedllm.node.step_plan import NewSequence, StepPlan
+from pagedllm.node.step_plan import LAST_SAMPLE, NewSequence, StepPlan
 
 
 def plan_problem(plan: StepPlan, seqs: Mapping[int, NewSequence], num_blocks: int,
-                 block_size: int, vocab_size: int) -> str | None:
-    """What makes ``plan`` impossible to execute on ``seqs``, or None."""
+                 block_size: int, vocab_size: int,
+                 last_sampled: Container[int] = frozenset()) -> str | None:
+    """What makes ``plan`` impossible to execute on ``seqs``, or None. ``last_sampled`` holds
+    the sequences the worker has a sample of, which a ``LAST_SAMPLE`` token may stand for."""
     # (tokens, blocks, computed) of every sequence as the plan leaves it
     gone = set(plan.finished)
     after: dict[int, tuple[int, int, int]] = {
@@ -37,7 +39,12 @@ def plan_problem(plan: StepPlan, seqs: Mapping[int, NewSequence], num_blocks: in
                                 update.blocks_from + len(update.block_ids),
                                 update.num_computed_tokens)
         blocks += update.block_ids
-        tokens += update.new_token_ids
+        if LAST_SAMPLE in update.new_token_ids:
+            if update.seq_id not in last_sampled or update.seq_id in gone:
+                return f"sequence {update.seq_id}: no sample of the worker's to stand in for"
+            tokens += [t for t in update.new_token_ids if t != LAST_SAMPLE]
+        else:
+            tokens += update.new_token_ids
     if blocks and not 0 <= min(blocks) <= max(blocks) < num_blocks:
         return f"block ids outside [0, {num_blocks})"
     if tokens and not 0 <= min(tokens) <= max(tokens) < vocab_size:

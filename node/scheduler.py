@@ -25,6 +25,7 @@ from pagedllm.node.sequence import (
     SequenceStatus,
 )
 from pagedllm.node.step_plan import (
+    LAST_SAMPLE,
     NewSequence,
     RunningUpdate,
     SamplingSpec,
@@ -211,6 +212,39 @@ class Scheduler:
             budget -= num_new
         return self._plan(scheduled)
 
+    def schedule_ahead(self, in_flight: StepPlan) -> StepPlan | None:
+        """The plan after ``in_flight``, made before its results are in (async scheduling).
+
+        Each sequence that samples in ``in_flight`` takes a ``LAST_SAMPLE`` placeholder for
+        the token it is about to get, which the workers fill in themselves; ``update`` puts the
+        real token in its place. Sequences whose next token may end them (``max_tokens``,
+        ``max_model_len``), that fan out, or beam searches wait for the results instead; with
+        beams in the node this returns None (no plan ahead).
+        """
+        if any(r.params.use_beam_search for r in self.requests.values()):
+            return None
+        by_id = {s.seq_id: s for s in self.running}
+        for seq_id, _ in in_flight.scheduled:
+            seq = by_id.get(seq_id)
+            if seq is None or seq.num_computed_tokens != seq.num_tokens or seq.pending_sample:
+                continue
+            max_tokens = seq.params.max_tokens
+            if (
+                in_flight.num_samples.get(seq_id, 1) != 1
+                or (max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens)
+                or seq.num_tokens + 1 >= self.config.max_model_len
+            ):
+                continue
+            seq.token_ids.append(LAST_SAMPLE)
+            seq.pending_sample = True
+        return self.schedule()
+
+    def _drop_pending(self, seq: Sequence) -> None:
+        """Take back the placeholder of a sample still in flight (its sample is dropped)."""
+        if seq.pending_sample:
+            seq.token_ids.pop()
+            seq.pending_sample = False
+
     def _plan(self, scheduled: list[tuple[Sequence, int]]) -> StepPlan:
         plan = StepPlan(step_id=next(self._step_ids))
         plan.finished, self._gone_from_workers = self._gone_from_workers, []
@@ -277,6 +311,7 @@ class Scheduler:
         )
 
     def _preempt(self, seq: Sequence) -> None:
+        self._drop_pending(seq)
         self.block_manager.free(seq)
         self._forget_in_workers(seq)
         seq.status = SequenceStatus.WAITING
@@ -293,6 +328,7 @@ class Scheduler:
         seq.worker_blocks = 0
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | None = None) -> None:
+        self._drop_pending(seq)
         self.block_manager.free(seq)
         self._forget_in_workers(seq)
         if seq.status == SequenceStatus.RUNNING:
@@ -310,6 +346,8 @@ class Scheduler:
         touched: dict[str, Request] = {}
         reported: dict[int, int] = {}
         by_id = {s.seq_id: s for s in self.running}
+        for seq in self.running:  # the samples the placeholders stood for are in
+            self._drop_pending(seq)
         for seq_id, _ in plan.scheduled:
             seq = by_id.get(seq_id)
             if seq is not None:

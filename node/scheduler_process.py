@@ -1,8 +1,11 @@
 """The scheduler process: owns the block manager and the scheduler, drives the workers.
 
 Each step it sends every worker the same plan, waits for rank 0's samples, updates the
-requests, sends the next plan, and only then ships the outputs to the API servers, so that
-encoding them overlaps the workers' forward pass. With nothing to do it blocks on its inbox.
+requests, and ships the outputs to the API servers. With async scheduling (the default, with
+one worker) the plan of the next step is sent before the samples of the current one are back,
+its new tokens standing in as placeholders the worker fills in, so the worker never waits for
+this process; otherwise the next plan goes out as soon as the samples are in, before the
+outputs are encoded. With nothing to do it blocks on its inbox.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -46,6 +50,7 @@ class SchedulerSpec:
     model_name: str
     log_level: str
     supervisor_pid: int
+    async_scheduling: bool = True
 
 
 def run_scheduler(spec: SchedulerSpec) -> None:
@@ -75,7 +80,10 @@ class SchedulerLoop:
         self.poller.register(self.results, zmq.POLLIN)
         # request id -> index of the API server that gets its outputs
         self.clients: dict[str, int] = {}
-        self._plan_sent = 0.0
+        self._sent_at: dict[int, float] = {}  # step id -> when its plan was sent
+        self._last_result_at = 0.0
+        # Async scheduling needs every rank to know the samples; only rank 0 samples.
+        self.async_scheduling = spec.async_scheduling and spec.config.tensor_parallel_size == 1
         self.metrics = SchedulerMetrics(spec.model_name)
         ready = self._wait_for_workers()
         self.scheduler = Scheduler(
@@ -91,28 +99,36 @@ class SchedulerLoop:
 
     def run(self) -> None:
         ipc.send(self.control, ProcessReady("scheduler", 0))
-        log.info("ready: %d KV blocks", self.scheduler.config.num_blocks)
-        plan: StepPlan | None = None
+        log.info("ready: %d KV blocks%s", self.scheduler.config.num_blocks,
+                 ", async scheduling" if self.async_scheduling else "")
+        in_flight: deque[StepPlan] = deque()
         while True:
-            if plan is None:
+            if not in_flight:
                 if not self.scheduler.has_work():
                     self.metrics.observe(self.scheduler.stats())
                     self._receive(block=True)
                 self._receive(block=False)
-                plan = self._send_plan()
+                in_flight.append(self._send(self.scheduler.schedule()))
+            if self.async_scheduling and len(in_flight) == 1:
+                # The next plan goes out before this one's samples are back, so the workers
+                # move on to it without waiting for this process.
+                ahead = self.scheduler.schedule_ahead(in_flight[0])
+                if ahead is not None and not ahead.is_empty:
+                    in_flight.append(self._send(ahead))
+            plan = in_flight.popleft()
             result = self._await_result(plan.step_id)
             deltas = self.scheduler.update(plan, result)
             self._receive(block=False)
-            plan = self._send_plan() if self.scheduler.has_work() else None
+            if not in_flight and self.scheduler.has_work():
+                in_flight.append(self._send(self.scheduler.schedule()))
             self._send_outputs(deltas)
             self.metrics.observe(self.scheduler.stats())
 
-    def _send_plan(self) -> StepPlan:
-        plan = self.scheduler.schedule()
+    def _send(self, plan: StepPlan) -> StepPlan:
         data = messages.encode(plan)
         for worker in self.workers:
             worker.send(data, copy=False)
-        self._plan_sent = time.perf_counter()
+        self._sent_at[plan.step_id] = time.perf_counter()
         return plan
 
     def _await_result(self, step_id: int) -> StepResult:
@@ -124,7 +140,12 @@ class SchedulerLoop:
             if self.results in ready:
                 message = ipc.parse(self.results.recv(), WHERE)
                 if isinstance(message, StepResult) and message.step_id == step_id:
-                    self.metrics.observe_step(time.perf_counter() - self._plan_sent)
+                    # The workers' time on this step: from the plan's arrival or the end of
+                    # the step before, whichever came last.
+                    now = time.perf_counter()
+                    started = max(self._sent_at.pop(step_id, now), self._last_result_at)
+                    self.metrics.observe_step(now - started)
+                    self._last_result_at = now
                     return message
                 if message is not None:
                     log.warning("ignored an unexpected %s from the workers",

@@ -50,6 +50,9 @@ class Sequence:
     worker_tokens: int = 0
     worker_blocks: int = 0
     in_workers: bool = False
+    # Async scheduling: the last token is a LAST_SAMPLE placeholder for the sample of the step
+    # in flight, scheduled before that step's results came back.
+    pending_sample: bool = False
     # Beam search: candidates (token, logprob) sampled but not yet chosen.
     beam_candidates: list[tuple[int, float]] | None = None
 

@@ -37,6 +37,7 @@ class ServeArgs:
     shutdown_timeout: float
     api_server_count: int
     api_server_nice: int
+    async_scheduling: bool
     log_level: str
 
 
@@ -141,6 +142,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long in-flight requests may run before exit")
     p.add_argument("--api-server-count", type=positive_int, default=1,
                    help="HTTP front processes sharing the port")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="send each step's plan before the previous step's samples are back, "
+                        "so the worker never waits for the scheduler (one worker only)")
     p.add_argument("--api-server-nice", type=niceness, default=DEFAULT_API_SERVER_NICE,
                    metavar="0-19",
                    help="CPU niceness of the HTTP front processes: their work (HTTP, "
@@ -207,5 +211,6 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
         shutdown_timeout=ns.shutdown_timeout,
         api_server_count=ns.api_server_count,
         api_server_nice=ns.api_server_nice,
+        async_scheduling=ns.async_scheduling,
         log_level=ns.log_level,
     )

@@ -41,6 +41,12 @@ class NewSequence:
     sampling: SamplingSpec
 
 
+# In ``RunningUpdate.new_token_ids``: the token the worker itself sampled for the sequence in
+# the step before (async scheduling: the plan was made before that sample reached the
+# scheduler).
+LAST_SAMPLE = -1
+
+
 @dataclass
 class RunningUpdate:
     seq_id: int
@@ -66,6 +72,12 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the workers to do or to change."""
+        return not (self.scheduled or self.new or self.running or self.finished
+                    or self.block_copies)
 
 
 @dataclass

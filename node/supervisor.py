@@ -124,7 +124,7 @@ class Supervisor:
                 args.engine, args.model_dir, rank, paths, args.log_level, pid)))
         plans.append(("scheduler", 0, run_scheduler, SchedulerSpec(
             args.engine, args.eos_token_ids, paths, args.api_server_count, args.max_waiting,
-            args.model_names[0], args.log_level, pid)))
+            args.model_names[0], args.log_level, pid, args.async_scheduling)))
         for index in range(args.api_server_count):
             plans.append(("api_server", index, run_api_server, ApiServerSpec(
                 index, paths, self.tokenizer, args.model_dir, args.model_names,

@@ -87,7 +87,7 @@ def _serve(spec: WorkerSpec) -> None:
                 log.warning("%s: ignored a %s message", where, type(plan).__name__)
             continue
         problem = plan_problem(plan, runner.seqs, runner.num_blocks, runner.block_size,
-                               runner.model_config.vocab_size)
+                               runner.model_config.vocab_size, runner.last_samples)
         if problem is not None:
             log.warning("%s: dropped step plan %d: %s", where, plan.step_id, problem)
             continue
