@@ -36,6 +36,7 @@ import base64
 import contextlib
 import datetime
 import json
+import math
 import os
 import shutil
 import signal
@@ -64,6 +65,26 @@ IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
 DEFAULT_GRACE_SECONDS = 30
 MAX_RESTART_BACKOFF = 20.0
 POLL_SECONDS = 0.1
+
+
+def cpu_quantity(text: str) -> float:
+    """CPUs in a Kubernetes quantity: ``2``, ``0.5``, ``250m``."""
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def resource_field(container: Mapping[str, Any], ref: Mapping[str, Any], name: str) -> str:
+    """A resourceFieldRef as the kubelet resolves it, for CPU: the container's request or
+    limit over the divisor, rounded up; an unset limit is the node's CPUs, an unset request 0."""
+    resource = ref.get("resource", "")
+    kind, _, what = resource.partition(".")
+    if what != "cpu" or kind not in ("requests", "limits"):
+        raise PodConfigError(f"env {name}: resourceFieldRef {resource} is not emulated")
+    value = ((container.get("resources") or {}).get(kind) or {}).get("cpu")
+    if value is None:
+        cpus = float(os.cpu_count() or 1) if kind == "limits" else 0.0
+    else:
+        cpus = cpu_quantity(str(value))
+    return str(math.ceil(cpus / cpu_quantity(str(ref.get("divisor", "1")))))
 
 
 class PodConfigError(Exception):
@@ -303,12 +324,16 @@ class LocalPod:
             if "value" in item:
                 env[item["name"]] = rewrite_path(str(item["value"]), mounts)
                 continue
-            value = await self._env_from(item.get("valueFrom") or {}, item["name"])
+            value = await self._env_from(item.get("valueFrom") or {}, item["name"], container)
             if value is not None:
                 env[item["name"]] = value
         return env
 
-    async def _env_from(self, source: Mapping[str, Any], name: str) -> str | None:
+    async def _env_from(self, source: Mapping[str, Any], name: str,
+                        container: Mapping[str, Any]) -> str | None:
+        resource_ref = source.get("resourceFieldRef")
+        if resource_ref is not None:
+            return resource_field(container, resource_ref, name)
         field_ref = source.get("fieldRef")
         if field_ref is not None:
             values = {"metadata.name": self.name, "metadata.namespace": self.kubelet.namespace,

@@ -24,6 +24,8 @@ from pagedllm.node.plan_check import plan_problem
 from pagedllm.node.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
+# The CPUs the pod may compute on (the operator sets it from the pod's CPU request).
+CPUS_ENV = "PAGEDLLM_CPUS"
 
 
 @dataclass
@@ -37,14 +39,24 @@ class WorkerSpec:
 
 
 def torch_threads(tp_size: int) -> int:
-    """Compute threads per rank: ``OMP_NUM_THREADS`` when set, else the pod's cores shared
-    among the ranks. The API servers run niced (``--api-server-nice``), so their work fills
-    the gaps between steps rather than stalling a compute thread mid-step."""
-    configured = os.environ.get("OMP_NUM_THREADS", "")
-    if configured.isdigit() and int(configured) > 0:
-        return int(configured)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // tp_size)
+    """Compute threads per rank: ``OMP_NUM_THREADS`` when set, else the pod's CPUs
+    (``PAGEDLLM_CPUS``, which the operator sets from the pod's CPU request, or the cores this
+    process may run on) shared among the ranks. The API servers run niced
+    (``--api-server-nice``), so their work fills the gaps between steps rather than stalling a
+    compute thread mid-step."""
+    configured = _positive_env("OMP_NUM_THREADS")
+    if configured is not None:
+        return configured
+    cores = _positive_env(CPUS_ENV)
+    if cores is None:
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+    return max(1, cores // tp_size)
+
+
+def _positive_env(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def run_worker(spec: WorkerSpec) -> None:

@@ -24,6 +24,7 @@ LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "pagedllm.io/instance"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_COMPONENT = "app.kubernetes.io/component"
+CPUS_ENV = "PAGEDLLM_CPUS"
 # Tests and the e2e kubelet stand-in run pods as local processes on loopback ports; this pod
 # annotation tells the autoscaler which port serves /metrics instead of the container port.
 METRICS_PORT_ANNOTATION = "pagedllm.io/metrics-port"
@@ -203,6 +204,10 @@ def build_pod_template(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
         })
 
     env = _writable_dirs_env()
+    # The worker's compute threads: the CPUs the pod requests (rounded up), not every core of
+    # the node, which pods beside it share.
+    env.append({"name": CPUS_ENV, "valueFrom": {"resourceFieldRef": {
+        "containerName": CONTAINER_NAME, "resource": "requests.cpu", "divisor": "1"}}})
     if spec.api_key_secret is not None:
         env.append({"name": "PAGEDLLM_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": spec.api_key_secret.name, "key": spec.api_key_secret.key}}})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from serve_harness import DEMO_MODEL, PAGEDLLM, start_server
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_extension
 from pagedllm.node.demo_model import DEMO_MODEL_DIR_NAME, demo_model_dir
+from pagedllm.node.worker_process import torch_threads
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -96,3 +98,17 @@ def test_serve_first_writes_the_demo_model_then_its_workers_compute(tmp_path: Pa
         assert completion.usage.completion_tokens == 4
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(("env", "tp_size", "threads"), [
+    ({"OMP_NUM_THREADS": "3", "PAGEDLLM_CPUS": "8"}, 2, 3),  # per rank, as given
+    ({"PAGEDLLM_CPUS": "8"}, 2, 4),  # the pod's CPUs shared among the ranks
+    ({"PAGEDLLM_CPUS": "1"}, 2, 1),
+    ({"PAGEDLLM_CPUS": "0"}, 1, len(os.sched_getaffinity(0))),  # no CPU request: the cores
+])
+def test_worker_threads_follow_the_pods_cpus(env: dict[str, str], tp_size: int, threads: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert torch_threads(tp_size) == threads

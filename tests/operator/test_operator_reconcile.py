@@ -105,6 +105,9 @@ def test_create_builds_owned_children_with_the_expected_pod(kube: Kube, namespac
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     api_key = next(e for e in container["env"] if e["name"] == "PAGEDLLM_API_KEY")
     assert api_key["valueFrom"]["secretKeyRef"] == {"name": "llm-key", "key": "api-key"}
+    cpus = next(e for e in container["env"] if e["name"] == "PAGEDLLM_CPUS")
+    assert cpus["valueFrom"]["resourceFieldRef"] == {
+        "containerName": container["name"], "resource": "requests.cpu", "divisor": "1"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} \
         in pod["tolerations"]
 
