@@ -6,10 +6,10 @@ scheduler and worker processes, ZeroMQ between them) with concurrent HTTP reques
 the whole batch is timed twice, with TOKENS tokens per request and with SHORT; the difference
 divided by TOKENS - SHORT is the time of one decode step, so that what happens once per
 request (HTTP, tokenization, prefill, the last response) cancels out and what happens every
-step (scheduling, plans and samples between processes, detokenization) stays in. Best of
-REPEATS, the two ways interleaved. The last column is the scheduler's view of the worker's
-time on a step (from the plan's arrival, or the end of the step before, to the samples back).
-Target: the node adds at most 10 % at batch 32.
+step (scheduling, plans and samples between processes, detokenization) stays in. The best
+wall of REPEATS at each length, the two ways interleaved. The last column is the scheduler's
+view of the worker's time on a step (from the plan's arrival, or the end of the step before,
+to the samples back). Target: the node adds at most 10 % at batch 32.
 
     python bench/ipc.py [--tokens 64] [--short 8] [--repeats 7] [--batches 1 32]
 """
@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -61,8 +60,9 @@ def in_process_wall_s(engine: LLMEngine, batch: int, tokens: int) -> float:
     return time.perf_counter() - started
 
 
-def per_step_s(wall: Callable[[int], float], tokens: int, short: int) -> float:
-    return (wall(tokens) - wall(short)) / (tokens - short)
+def per_step_s(walls: dict[int, list[float]], tokens: int, short: int) -> float:
+    """Seconds per decode step from the best whole-batch walls at both lengths."""
+    return (min(walls[tokens]) - min(walls[short])) / (tokens - short)
 
 
 class Node:
@@ -148,18 +148,22 @@ def main() -> int:
         for batch in args.batches:
             in_process_wall_s(engine, batch, 4)  # warm-up
             node.wall_s(batch, 4)
-            local, remote, sched = [], [], []
+            local: dict[int, list[float]] = {args.tokens: [], args.short: []}
+            remote: dict[int, list[float]] = {args.tokens: [], args.short: []}
+            sched = []
             for _ in range(args.repeats):  # interleaved, so that both see the same machine
-                local.append(per_step_s(lambda n, b=batch: in_process_wall_s(engine, b, n),
-                                        args.tokens, args.short))
-                before = node.scheduler_step_s()
-                remote.append(per_step_s(lambda n, b=batch: node.wall_s(b, n),
-                                         args.tokens, args.short))
-                after = node.scheduler_step_s()
-                sched.append((after[0] - before[0]) / max(1.0, after[1] - before[1]))
-            overhead = min(remote) / min(local) - 1
+                for n in (args.tokens, args.short):
+                    local[n].append(in_process_wall_s(engine, batch, n))
+                    before = node.scheduler_step_s()
+                    remote[n].append(node.wall_s(batch, n))
+                    after = node.scheduler_step_s()
+                    if n == args.tokens:
+                        sched.append((after[0] - before[0]) / max(1.0, after[1] - before[1]))
+            local_s = per_step_s(local, args.tokens, args.short)
+            remote_s = per_step_s(remote, args.tokens, args.short)
+            overhead = remote_s / local_s - 1
             results[batch] = overhead
-            print(f"{batch:>5}  {min(local) * 1e3:>8.2f}ms  {min(remote) * 1e3:>8.2f}ms  "
+            print(f"{batch:>5}  {local_s * 1e3:>8.2f}ms  {remote_s * 1e3:>8.2f}ms  "
                   f"{overhead:>+8.1%}  {min(sched) * 1e3:>12.2f}ms")
     finally:
         node.close()

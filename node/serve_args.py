@@ -17,8 +17,8 @@ from pagedllm.node.config import DTYPES, EngineConfig
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 DEMO_MODEL_NAME = "pagedllm-demo"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-# The front processes yield the CPU to the workers' compute threads (see --api-server-nice).
-DEFAULT_API_SERVER_NICE = 10
+# 0: the front processes keep the workers' priority (see --api-server-nice).
+DEFAULT_API_SERVER_NICE = 0
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -147,9 +147,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "so the worker never waits for the scheduler (one worker only)")
     p.add_argument("--api-server-nice", type=niceness, default=DEFAULT_API_SERVER_NICE,
                    metavar="0-19",
-                   help="CPU niceness of the HTTP front processes: their work (HTTP, "
-                        "detokenization) then waits for the gaps between the workers' compute "
-                        "instead of stalling it; 0 keeps the workers' priority")
+                   help="CPU niceness of the HTTP front processes: above 0 their work (HTTP, "
+                        "detokenization) waits for the gaps between the workers' compute "
+                        "instead of stalling it, at the cost of slower admission under load")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 

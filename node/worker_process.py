@@ -41,9 +41,7 @@ class WorkerSpec:
 def torch_threads(tp_size: int) -> int:
     """Compute threads per rank: ``OMP_NUM_THREADS`` when set, else the pod's CPUs
     (``PAGEDLLM_CPUS``, which the operator sets from the pod's CPU request, or the cores this
-    process may run on) shared among the ranks. The API servers run niced
-    (``--api-server-nice``), so their work fills the gaps between steps rather than stalling a
-    compute thread mid-step."""
+    process may run on) shared among the ranks."""
     configured = _positive_env("OMP_NUM_THREADS")
     if configured is not None:
         return configured

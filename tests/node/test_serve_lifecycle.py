@@ -28,6 +28,7 @@ SHUTDOWN_TIMEOUT_S = 30
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     running = start_server(tmp_path_factory.mktemp("lifecycle"), "--api-server-count", "2",
+                           "--api-server-nice", "5",
                            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
     yield running
     running.stop()
@@ -92,9 +93,9 @@ def test_a_client_leaving_a_whole_response_request_aborts_it(server: Server) -> 
 
 
 def test_the_api_servers_yield_the_cpu_to_the_worker(server: Server) -> None:
-    """--api-server-nice defaults to 10: the HTTP fronts run niced, the compute does not."""
+    """--api-server-nice 5: the HTTP fronts run niced, the compute does not."""
     for role in ("api server 0", "api server 1"):
-        assert os.getpriority(os.PRIO_PROCESS, server.pid(role)) == 10
+        assert os.getpriority(os.PRIO_PROCESS, server.pid(role)) == 5
     for role in ("worker 0", "scheduler"):
         assert os.getpriority(os.PRIO_PROCESS, server.pid(role)) == 0
 
