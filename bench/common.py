@@ -44,9 +44,9 @@ FIRST_PLAIN_TOKEN = 5
 
 
 def cache_dir() -> Path:
-    from pagedllm.node.demo_model import CACHE_DIR_ENV
+    from pagedllm.cache import cache_root
 
-    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "pagedllm")
+    return cache_root()
 
 
 def bench_model_dir() -> Path:

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.cache import cache_root
+
 log = logging.getLogger(__name__)
 
 NAME = "pagedllm_cpu"
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
 KERNEL_DIR_ENV = "PAGEDLLM_KERNEL_DIR"
-CACHE_DIR_ENV = "PAGEDLLM_CACHE_DIR"
 DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"  # "0" turns them off
 
 
@@ -50,10 +51,7 @@ def compiler_flags() -> list[str]:
 
 
 def build_dir() -> Path:
-    root = os.environ.get(KERNEL_DIR_ENV)
-    if not root:
-        cache_root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "pagedllm"
-        root = Path(cache_root) / "kernels"
+    root = os.environ.get(KERNEL_DIR_ENV) or cache_root() / "kernels"
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(compiler_flags()).encode(),
                  torch.__version__.encode(), sys.version.encode()):

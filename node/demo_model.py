@@ -8,7 +8,6 @@ bytes come out on every run.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from importlib import resources
@@ -19,7 +18,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-CACHE_DIR_ENV = "PAGEDLLM_CACHE_DIR"
+from pagedllm.cache import cache_root
+
 # Bumped whenever the recipe changes, so an old cached copy is not reused.
 DEMO_MODEL_DIR_NAME = "demo-model-v1"
 SEED = 0
@@ -53,7 +53,7 @@ def demo_model_dir() -> Path:
     It is assembled in a private directory and renamed into place, so a process never sees a
     half-written model, and of processes racing to create it one wins and the others use it.
     """
-    cache = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "pagedllm")
+    cache = cache_root()
     target = cache / DEMO_MODEL_DIR_NAME
     if target.is_dir():
         return target

@@ -228,12 +228,7 @@ class Scheduler:
             seq = by_id.get(seq_id)
             if seq is None or seq.num_computed_tokens != seq.num_tokens or seq.pending_sample:
                 continue
-            max_tokens = seq.params.max_tokens
-            if (
-                in_flight.num_samples.get(seq_id, 1) != 1
-                or (max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens)
-                or seq.num_tokens + 1 >= self.config.max_model_len
-            ):
+            if in_flight.num_samples.get(seq_id, 1) != 1 or self._at_length_limit(seq, 1):
                 continue
             seq.token_ids.append(LAST_SAMPLE)
             seq.pending_sample = True
@@ -413,11 +408,18 @@ class Scheduler:
                 return FinishReason.STOP, None
             if token in (p.stop_token_ids or ()):
                 return FinishReason.STOP, token
-        if p.max_tokens is not None and out >= p.max_tokens:
-            return FinishReason.LENGTH, None
-        if seq.num_tokens >= self.config.max_model_len:
+        if self._at_length_limit(seq):
             return FinishReason.LENGTH, None
         return None, None
+
+    def _at_length_limit(self, seq: Sequence, more: int = 0) -> bool:
+        """Whether ``seq``, given ``more`` tokens, has as many as max_tokens or max_model_len
+        allow."""
+        max_tokens = seq.params.max_tokens
+        return (
+            (max_tokens is not None and seq.num_output_tokens + more >= max_tokens)
+            or seq.num_tokens + more >= self.config.max_model_len
+        )
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         request = parent.request

@@ -41,21 +41,22 @@ class ServeArgs:
     log_level: str
 
 
-def positive_int(text: str) -> int:
+def _integer(text: str, expected: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _integer(text, "a positive integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
 
 
 def niceness(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    value = _integer(text, "an integer")
     if not 0 <= value <= 19:
         raise argparse.ArgumentTypeError(f"a niceness is between 0 and 19, got {value}")
     return value
