@@ -166,6 +166,15 @@ def make_workload(
     return Workload(prompts, outputs, seed, spec)
 
 
+def kv_bytes_per_token(model_dir: Path, dtype: str = "float32") -> int:
+    """Bytes of K and V, all layers, of one token in a ``dtype`` cache."""
+    import torch
+
+    s = model_summary(model_dir)
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * element
+
+
 def vocab_size(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["vocab_size"]
 

@@ -45,16 +45,11 @@ def demo_model() -> Path:
     return demo_model_dir()
 
 
-def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:
-    s = common.model_summary(model_dir)
-    return 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * dtype_bytes
-
-
 def make_llm(model_dir: Path, kv_tokens: int, max_model_len: int, **kwargs: Any):
     from pagedllm import LLM
 
     return LLM(model=str(model_dir), dtype="float32", block_size=16,
-               kv_cache_memory=kv_tokens * kv_bytes_per_token(model_dir),
+               kv_cache_memory=kv_tokens * common.kv_bytes_per_token(model_dir),
                max_model_len=max_model_len, **kwargs)
 
 

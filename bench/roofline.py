@@ -127,17 +127,17 @@ def engine_weights(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
 
 def engine_decode_step(
     model_dir: Path, summary: dict[str, Any], batch: int, context: int, rounds: int,
-    steps_per_round: int = 4,
+    dtype: str = "float32", steps_per_round: int = 4,
 ) -> dict[str, Any]:
     """Median decode step of the engine with ``batch`` sequences at about ``context`` tokens,
     and median matmul time of its own weights at that batch, timed in alternation."""
     from pagedllm import LLM, SamplingParams
 
     steps = rounds * steps_per_round
-    llm = LLM(model=str(model_dir), dtype="float32", max_num_seqs=batch,
+    llm = LLM(model=str(model_dir), dtype=dtype, max_num_seqs=batch,
               max_model_len=context + steps + 64, enable_prefix_caching=False)
     engine = llm.engine
-    timer = MatmulTimer(summary, weights=engine_weights(engine.runner.model))
+    timer = MatmulTimer(summary, getattr(torch, dtype), engine_weights(engine.runner.model))
     workload = common.make_workload(batch, common.vocab_size(model_dir), seed=1,
                                     prompt_len=context, prompt_spread=0,
                                     output_len=steps + 8, output_spread=0)
@@ -192,6 +192,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory (default: the ~100M benchmark model)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--batch", type=int, default=32, help="decode batch of the target")
     parser.add_argument("--context", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--rounds", type=int, default=6,
@@ -205,10 +206,11 @@ def main() -> None:
     model_dir = common.resolve_model(args.model)
     summary = common.model_summary(model_dir)
     batches = sorted({int(b) for b in args.batches.split(",")} | {args.batch})
-    decode = engine_decode_step(model_dir, summary, args.batch, args.context, args.rounds)
+    decode = engine_decode_step(model_dir, summary, args.batch, args.context, args.rounds,
+                                args.dtype)
     fraction = decode["matmul_s"] / decode["step_s"]
     forward_fraction = decode["matmul_s"] / decode["execute_s"]
-    timer = MatmulTimer(summary)
+    timer = MatmulTimer(summary, getattr(torch, args.dtype))
     rows = roofline_table(timer, batches)
     del timer
 

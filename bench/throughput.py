@@ -41,9 +41,9 @@ def run_pagedllm(model_dir: Path, workload: common.Workload, args: argparse.Name
     from pagedllm import LLM, SamplingParams
 
     max_len = max(len(p) for p in workload.prompts) + max(workload.output_lens)
-    llm = LLM(model=str(model_dir), dtype="float32", max_num_seqs=args.max_num_seqs,
+    llm = LLM(model=str(model_dir), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_tokens * kv_bytes_per_token(model_dir),
+              kv_cache_memory=args.kv_tokens * common.kv_bytes_per_token(model_dir, args.dtype),
               max_model_len=max_len, enable_prefix_caching=False)
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in workload.prompts[:2]], warm, use_tqdm=False)
@@ -74,15 +74,15 @@ def run_pagedllm(model_dir: Path, workload: common.Workload, args: argparse.Name
     }
 
 
-def _load_hf(model_dir: Path):
+def _load_hf(model_dir: Path, dtype: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     return model.eval()
 
 
 def run_hf_generate(model_dir: Path, workload: common.Workload, args: argparse.Namespace) -> dict:
-    model = _load_hf(model_dir)
+    model = _load_hf(model_dir, args.dtype)
     pad = 0
     size = args.hf_batch_size or hf_static_batch(workload, args.kv_tokens)
 
@@ -125,7 +125,7 @@ def run_hf_generate_batch(
 ) -> dict:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    model = _load_hf(model_dir)
+    model = _load_hf(model_dir, args.dtype)
     config = GenerationConfig(max_new_tokens=max(workload.output_lens), do_sample=False,
                               eos_token_id=-1)
     page_size = ContinuousBatchingConfig().page_size
@@ -157,11 +157,6 @@ def run_hf_generate_batch(
     return {"elapsed_s": elapsed, "output_tokens": generated, "config": config_used}
 
 
-def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:
-    s = common.model_summary(model_dir)
-    return 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * dtype_bytes
-
-
 def hf_static_batch(workload: common.Workload, kv_tokens: int) -> int:
     """Rows of the longest padded sequence the KV memory holds."""
     longest = max(len(p) for p in workload.prompts) + max(workload.output_lens)
@@ -175,10 +170,12 @@ RUNNERS: dict[str, Callable[[Path, common.Workload, argparse.Namespace], dict]] 
 }
 
 
-def roofline_fraction(summary: dict[str, Any], mean_batch: float, tokens_per_s: float) -> dict:
+def roofline_fraction(
+    summary: dict[str, Any], mean_batch: float, tokens_per_s: float, dtype: str
+) -> dict:
     from roofline import MatmulTimer
 
-    timer = MatmulTimer(summary)
+    timer = MatmulTimer(summary, dtype=getattr(torch, dtype))
     batch = max(1, round(mean_batch))
     matmul_s = timer.time(batch)["total"]
     bound = batch / matmul_s
@@ -204,6 +201,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights, activations and KV cache of every engine")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--kv-tokens", type=int, default=16384,
                         help="KV memory of every engine, in token slots")
@@ -231,10 +230,12 @@ def main() -> None:
         prompt_len=args.prompt_len, prompt_spread=min(50, args.prompt_len - 1),
         output_len=args.output_len, output_spread=min(100, args.output_len - 1),
     )
-    print(f"model: {summary['parameters'] / 1e6:.0f}M parameters; {args.num_requests} requests, "
+    kv_mib = args.kv_tokens * common.kv_bytes_per_token(model_dir, args.dtype) / 2**20
+    print(f"model: {summary['parameters'] / 1e6:.0f}M parameters, {args.dtype}; "
+          f"{args.num_requests} requests, "
           f"{workload.num_prompt_tokens} prompt and {workload.num_output_tokens} output tokens; "
           f"{args.threads} threads; KV memory {args.kv_tokens} token slots "
-          f"({args.kv_tokens * kv_bytes_per_token(model_dir) / 2**20:.0f} MiB), hf-generate "
+          f"({kv_mib:.0f} MiB), hf-generate "
           f"batch {args.hf_batch_size or hf_static_batch(workload, args.kv_tokens)}")
 
     results: dict[str, dict] = {}
@@ -249,7 +250,8 @@ def main() -> None:
 
     ours = results.get("pagedllm")
     if ours is not None and not args.no_roofline:
-        ours["roofline"] = roofline_fraction(summary, ours["mean_batch"], ours["tokens_per_s"])
+        ours["roofline"] = roofline_fraction(summary, ours["mean_batch"], ours["tokens_per_s"],
+                                             args.dtype)
 
     rows = []
     for engine, r in results.items():

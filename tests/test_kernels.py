@@ -303,7 +303,15 @@ def test_sliding_window_matches_reference(case: AttentionCase, num_kv_splits: in
     assert_attention_close(batch.run_triton(case, num_kv_splits), expected, case.dtype)
 
 
-CPU_CASES = RANDOMIZED_CASES + DECODE_CASES + SLIDING_WINDOW_CASES
+# The C++ decode kernel tiles a KV head's query heads four at a time: groups of 2, 5 and 8
+# leave tiles of every size; head dims 64 and 128 take its vectorized path, 80 the plain one.
+CPU_TILE_CASES = [
+    AttentionCase(10, 2, 64, 16, torch.float32, (1, 1, 1), (300, 17, 16), None),
+    AttentionCase(16, 2, 128, 16, torch.bfloat16, (1, 1), (129, 33), 40),
+    AttentionCase(4, 2, 64, 32, torch.float16, (1, 1, 1, 1), (1, 2, 95, 64), None),
+    AttentionCase(10, 2, 80, 8, torch.float32, (1, 1), (77, 8), 9),
+]
+CPU_CASES = RANDOMIZED_CASES + DECODE_CASES + SLIDING_WINDOW_CASES + CPU_TILE_CASES
 
 
 def test_cpu_kernels_build_with_the_system_compiler():

@@ -3,16 +3,243 @@
 //
 // Layout as in pagedllm/kernels/reference.py: caches [num_blocks, block_size, num_kv_heads,
 // head_dim], block_tables [num_seqs, max_blocks] int32, q [num_seqs, num_heads, head_dim].
+//
+// A work item is one KV head of one sequence. Its keys are walked block by block (no division
+// per key), the next block's rows prefetched. The common head sizes (64, 128) take a path
+// written with GCC/Clang vector extensions (the compiler picks AVX2, AVX-512 or NEON): a tile
+// of up to four query heads of the KV head's group shares each K and V row it loads, with the
+// query and output rows in registers, and the softmax uses a vectorized polynomial exp. Other
+// head sizes take plain loops.
 #include <ATen/ATen.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+#if defined(__AVX512F__)
+constexpr int kWidth = 16;
+#else
+constexpr int kWidth = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(kWidth * 4)));
+typedef uint32_t vuint __attribute__((vector_size(kWidth * 4)));
+typedef uint16_t vhalf __attribute__((vector_size(kWidth * 2)));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vfloat load(const c10::BFloat16* p) {
+  vhalf bits;
+  std::memcpy(&bits, p, sizeof bits);
+  vuint wide = __builtin_convertvector(bits, vuint) << 16;
+  vfloat v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+inline vfloat load(const c10::Half* p) {
+  float tmp[kWidth];
+  for (int i = 0; i < kWidth; ++i) tmp[i] = float(p[i]);
+  return load(tmp);
+}
+
+inline float sum(vfloat v) {
+  float s = 0.f;
+  for (int i = 0; i < kWidth; ++i) s += v[i];
+  return s;
+}
+
+// The sums of G <= 4 vectors, into sums[g * stride].
+template <int G>
+inline void store_sums(const vfloat* acc, float* sums, int64_t stride) {
+#if defined(__AVX__) && !defined(__AVX512F__)
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 ab = _mm256_hadd_ps(acc[0], G > 1 ? acc[1] : zero);
+  const __m256 cd = _mm256_hadd_ps(G > 2 ? acc[2] : zero, G > 3 ? acc[3] : zero);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  float four[4];
+  _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  for (int g = 0; g < G; ++g) sums[g * stride] = four[g];
+#else
+  for (int g = 0; g < G; ++g) sums[g * stride] = sum(acc[g]);
+#endif
+}
+
+typedef int32_t vint __attribute__((vector_size(kWidth * 4)));
+
+// ``n`` rounded up to whole vectors: rows of scores are this long.
+inline int64_t padded(int64_t n) { return (n + kWidth - 1) / kWidth * kWidth; }
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+// exp for the softmax (arguments <= 0 there), kWidth at a time: Cephes' expf polynomial.
+inline vfloat exp_approx(vfloat x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  x = x > splat(88.0f) ? splat(88.0f) : x;
+  const vfloat magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vfloat n = (x * 1.44269504088896341f + magic) - magic;
+  const vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vfloat p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Softmax of each of ``heads`` rows of ``n`` scores, in place. Rows are ``stride`` apart and
+// have room up to padded(n).
+void softmax_rows(float* scores, int64_t heads, int64_t n, int64_t stride) {
+  const int64_t end = padded(n);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* w = scores + h * stride;
+    for (int64_t i = n; i < end; ++i) w[i] = -std::numeric_limits<float>::infinity();
+    vfloat top = splat(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < end; i += kWidth) {
+      const vfloat x = load(w + i);
+      top = x > top ? x : top;
+    }
+    float m = top[0];
+    for (int i = 1; i < kWidth; ++i) m = std::max(m, top[i]);
+    vfloat total = {};
+    for (int64_t i = 0; i < end; i += kWidth) {
+      vfloat e = exp_approx(load(w + i) - m);
+      e = load(w + i) == splat(-std::numeric_limits<float>::infinity()) ? splat(0.f) : e;
+      total += e;
+      std::memcpy(w + i, &e, sizeof e);
+    }
+    const float inv = n > 0 ? 1.f / sum(total) : 0.f;
+    for (int64_t i = 0; i < end; i += kWidth) {
+      const vfloat x = load(w + i) * inv;
+      std::memcpy(w + i, &x, sizeof x);
+    }
+  }
+}
+
+struct Job {
+  int64_t first, len, block_size, token_stride, block_stride;
+  const int32_t* table;
+
+  int64_t keys() const { return std::max<int64_t>(len - first, 0); }
+
+  // Calls ``f(i, row)`` for each key: its index from ``first`` and its ``dim`` elements in
+  // ``cache`` (already offset to one KV head), block by block, with the next block's rows
+  // prefetched while this one is read.
+  template <typename T, typename F>
+  void for_each_key(const T* cache, int64_t dim, F&& f) const {
+    const int64_t last = (len - 1) / block_size;
+    for (int64_t b = first / block_size; b * block_size < len; ++b) {
+      const T* base = cache + int64_t(table[b]) * block_stride;
+      if (b < last) {
+        const char* next = reinterpret_cast<const char*>(cache + int64_t(table[b + 1]) * block_stride);
+        for (int64_t r = 0; r < block_size; ++r)
+          for (int64_t byte = 0; byte < dim * int64_t(sizeof(T)); byte += 64)
+            __builtin_prefetch(next + r * token_stride * int64_t(sizeof(T)) + byte);
+      }
+      const int64_t start = std::max(first, b * block_size);
+      const int64_t stop = std::min(len, (b + 1) * block_size);
+      for (int64_t t = start; t < stop; ++t)
+        f(t - first, base + (t - b * block_size) * token_stride);
+    }
+  }
+};
+
+// G query heads of one KV head (``k``/``v`` point at that head's slot in the caches), head
+// dimension V * kWidth: scores -> softmax -> weighted values into ``out`` (float).
+template <typename T, int G, int V>
+void attend_tile(const float* query, const T* k, const T* v, const Job& job, float* scores,
+                 float* out) {
+  const int64_t n = job.keys(), stride = padded(n);
+  vfloat q[G][V];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < V; ++i) q[g][i] = load(query + (g * V + i) * kWidth);
+  job.for_each_key(k, V * kWidth, [&](int64_t j, const T* key) {
+    vfloat acc[G] = {};
+    for (int i = 0; i < V; ++i) {
+      const vfloat kv = load(key + i * kWidth);
+      for (int g = 0; g < G; ++g) acc[g] += q[g][i] * kv;
+    }
+    store_sums<G>(acc, scores + j, stride);
+  });
+  softmax_rows(scores, G, n, stride);
+  vfloat o[G][V] = {};
+  job.for_each_key(v, V * kWidth, [&](int64_t j, const T* value) {
+    float p[G];
+    for (int g = 0; g < G; ++g) p[g] = scores[g * stride + j];
+    for (int i = 0; i < V; ++i) {
+      const vfloat vv = load(value + i * kWidth);
+      for (int g = 0; g < G; ++g) o[g][i] += p[g] * vv;
+    }
+  });
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < V; ++i) std::memcpy(out + (g * V + i) * kWidth, &o[g][i], sizeof(vfloat));
+}
+
+template <typename T, int V>
+void attend_group(const float* query, const T* k, const T* v, const Job& job, int64_t group,
+                  float* scores, float* out) {
+  constexpr int64_t dim = V * kWidth;
+  for (int64_t g = 0; g < group;) {
+    const int64_t left = group - g;
+    const float* qg = query + g * dim;
+    float* og = out + g * dim;
+    if (left >= 4) {
+      attend_tile<T, 4, V>(qg, k, v, job, scores, og);
+      g += 4;
+    } else if (left == 3) {
+      attend_tile<T, 3, V>(qg, k, v, job, scores, og);
+      g += 3;
+    } else if (left == 2) {
+      attend_tile<T, 2, V>(qg, k, v, job, scores, og);
+      g += 2;
+    } else {
+      attend_tile<T, 1, V>(qg, k, v, job, scores, og);
+      g += 1;
+    }
+  }
+}
+
+// Any head size: plain loops.
+template <typename T>
+void attend_group_plain(const float* query, const T* k, const T* v, const Job& job,
+                        int64_t group, int64_t dim, float* scores, float* out) {
+  const int64_t n = job.keys(), stride = padded(n);
+  job.for_each_key(k, dim, [&](int64_t j, const T* key) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qh = query + g * dim;
+      float dot = 0.f;
+      for (int64_t d = 0; d < dim; ++d) dot += qh[d] * float(key[d]);
+      scores[g * stride + j] = dot;
+    }
+  });
+  softmax_rows(scores, group, n, stride);
+  std::fill(out, out + group * dim, 0.f);
+  job.for_each_key(v, dim, [&](int64_t j, const T* value) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * stride + j];
+      for (int64_t d = 0; d < dim; ++d) out[g * dim + d] += p * float(value[d]);
+    }
+  });
+}
 
 template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -31,65 +258,37 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
-  // A work item is a sequence and a range of its KV heads. Whole sequences read each token's
-  // K/V row (all heads) in one sweep, which the memory system serves best; small batches are
-  // split by KV head as well so that every thread has work.
-  const int64_t chunks = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
-  const int64_t heads_per_chunk = num_kv_heads / chunks;
 
-  at::parallel_for(0, num_seqs * chunks, 1, [&](int64_t begin, int64_t end) {
-    const int64_t width = heads_per_chunk * group;  // query heads of one item
-    std::vector<float> query(width * head_dim), acc(width * head_dim), scores;
+  // A work item is one KV head of one sequence with its group of query heads.
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * head_dim), acc(group * head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / chunks, first_kv_head = item % chunks * heads_per_chunk;
-      const int64_t first_head = first_kv_head * group;
+      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t len = lens[seq];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = std::max<int64_t>(len - first, 0);
-      const int32_t* table = tables + seq * table_stride;
-      for (int64_t h = 0; h < width; ++h) {
-        const T* src = q_ptr + seq * q_seq_stride + (first_head + h) * q_head_stride;
-        for (int64_t d = 0; d < head_dim; ++d) query[h * head_dim + d] = float(src[d]) * scale;
+      const Job job{window > 0 ? std::max<int64_t>(0, len - window) : 0, len, block_size,
+                    token_stride, block_stride, tables + seq * table_stride};
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_ptr + seq * q_seq_stride + (kv_head * group + g) * q_head_stride;
+        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = float(src[d]) * scale;
       }
-      scores.resize(std::max<int64_t>(width * n, 1));
-      for (int64_t t = first; t < len; ++t) {
-        const T* row = k_ptr + int64_t(table[t / block_size]) * block_stride +
-                       (t % block_size) * token_stride + first_kv_head * head_dim;
-        for (int64_t h = 0; h < width; ++h) {
-          const T* key = row + (h / group) * head_dim;
-          const float* qh = query.data() + h * head_dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * float(key[d]);
-          scores[h * n + (t - first)] = dot;
+      scores.resize(group * padded(job.keys()));
+      const T* k = k_ptr + kv_head * head_dim;
+      const T* v = v_ptr + kv_head * head_dim;
+      if constexpr (!std::is_same_v<T, double>) {
+        if (head_dim == 4 * kWidth) {
+          attend_group<T, 4>(query.data(), k, v, job, group, scores.data(), acc.data());
+        } else if (head_dim == 8 * kWidth) {
+          attend_group<T, 8>(query.data(), k, v, job, group, scores.data(), acc.data());
+        } else {
+          attend_group_plain<T>(query.data(), k, v, job, group, head_dim, scores.data(),
+                                acc.data());
         }
+      } else {
+        attend_group_plain<T>(query.data(), k, v, job, group, head_dim, scores.data(),
+                              acc.data());
       }
-      for (int64_t h = 0; h < width; ++h) {
-        float* weights = scores.data() + h * n;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) top = std::max(top, weights[i]);
-        float total = 0.f;
-        for (int64_t i = 0; i < n; ++i) {
-          weights[i] = std::exp(weights[i] - top);
-          total += weights[i];
-        }
-        const float inv = n > 0 ? 1.f / total : 0.f;
-        for (int64_t i = 0; i < n; ++i) weights[i] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = first; t < len; ++t) {
-        const T* row = v_ptr + int64_t(table[t / block_size]) * block_stride +
-                       (t % block_size) * token_stride + first_kv_head * head_dim;
-        for (int64_t h = 0; h < width; ++h) {
-          const T* value = row + (h / group) * head_dim;
-          const float p = scores[h * n + (t - first)];
-          float* ah = acc.data() + h * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * float(value[d]);
-        }
-      }
-      T* dst = out_ptr + (seq * num_heads + first_head) * head_dim;
-      for (int64_t i = 0; i < width * head_dim; ++i) dst[i] = T(acc[i]);
+      T* dst = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) dst[i] = T(acc[i]);
     }
   });
 }
