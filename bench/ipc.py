@@ -6,17 +6,20 @@ scheduler and worker processes, ZeroMQ between them) with concurrent HTTP reques
 the whole batch is timed twice, with TOKENS tokens per request and with SHORT; the difference
 divided by TOKENS - SHORT is the time of one decode step, so that what happens once per
 request (HTTP, tokenization, prefill, the last response) cancels out and what happens every
-step (scheduling, plans and samples between processes, detokenization) stays in. The best
-wall of REPEATS at each length, the two ways interleaved. The last column is the scheduler's
-view of the worker's time on a step (from the plan's arrival, or the end of the step before,
-to the samples back). Target: the node adds at most 10 % at batch 32.
+step (scheduling, plans and samples between processes) stays in. The requests are answered
+once by default (their steps reach the API server merged with the end); ``--stream`` makes
+them SSE streams, which the API server detokenizes and forwards every step. The best wall of
+REPEATS at each length, the two ways interleaved. The last column is the scheduler's view of
+the worker's time on a step (from the plan's arrival, or the end of the step before, to the
+samples back). Target: the node adds at most 10 % at batch 32.
 
-    python bench/ipc.py [--tokens 64] [--short 8] [--repeats 7] [--batches 1 32]
+    python bench/ipc.py [--tokens 64] [--short 8] [--repeats 7] [--batches 1 32] [--stream]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -94,14 +97,25 @@ class Node:
         except httpx.HTTPError:
             return False
 
-    def wall_s(self, batch: int, tokens: int) -> float:
+    def wall_s(self, batch: int, tokens: int, stream: bool = False) -> float:
         """Seconds for ``batch`` concurrent requests of ``tokens`` tokens to be answered."""
+        body = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+
         def one(prompt: str) -> None:
-            response = self.http.post("/v1/completions", json={
-                "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
-            })
-            response.raise_for_status()
-            assert response.json()["usage"]["completion_tokens"] == tokens
+            if stream:
+                with self.http.stream("POST", "/v1/completions",
+                                      json={**body, "prompt": prompt}) as response:
+                    response.raise_for_status()
+                    events = [line.removeprefix("data: ") for line in response.iter_lines()
+                              if line.startswith("data: {")]
+                usage = json.loads(events[-1])["usage"]
+            else:
+                response = self.http.post("/v1/completions", json={**body, "prompt": prompt})
+                response.raise_for_status()
+                usage = response.json()["usage"]
+            assert usage["completion_tokens"] == tokens
 
         with ThreadPoolExecutor(batch) as pool:
             started = time.perf_counter()
@@ -131,6 +145,8 @@ def main() -> int:
     parser.add_argument("--short", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--stream", action="store_true",
+                        help="the node's requests are SSE streams (forwarded every step)")
     args = parser.parse_args()
     if not 1 <= args.short < args.tokens:
         parser.error("--short must be at least 1 and below --tokens")
@@ -138,7 +154,8 @@ def main() -> int:
     engine = LLMEngine(EngineConfig(kv_cache_memory=KV_CACHE_MEMORY))
     node = Node(Path(tempfile.mkdtemp(prefix="pagedllm-bench-ipc-")))
     threads = torch.get_num_threads()
-    print(f"demo model, {args.tokens} - {args.short} tokens per request, best of "
+    print(f"demo model, {args.tokens} - {args.short} tokens per request "
+          f"({'streamed' if args.stream else 'answered once'}), best of "
           f"{args.repeats}, {os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f}); "
           f"torch threads: in-process {threads}, node worker {torch_threads(1)}")
     print(f"{'batch':>5}  {'in-process':>10}  {'node':>10}  {'overhead':>8}  "
@@ -147,7 +164,7 @@ def main() -> int:
     try:
         for batch in args.batches:
             in_process_wall_s(engine, batch, 4)  # warm-up
-            node.wall_s(batch, 4)
+            node.wall_s(batch, 4, args.stream)
             local: dict[int, list[float]] = {args.tokens: [], args.short: []}
             remote: dict[int, list[float]] = {args.tokens: [], args.short: []}
             sched = []
@@ -155,7 +172,7 @@ def main() -> int:
                 for n in (args.tokens, args.short):
                     local[n].append(in_process_wall_s(engine, batch, n))
                     before = node.scheduler_step_s()
-                    remote[n].append(node.wall_s(batch, n))
+                    remote[n].append(node.wall_s(batch, n, args.stream))
                     after = node.scheduler_step_s()
                     if n == args.tokens:
                         sched.append((after[0] - before[0]) / max(1.0, after[1] - before[1]))

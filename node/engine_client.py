@@ -78,12 +78,13 @@ class EngineClient:
     # ----- requests ------------------------------------------------------------------------
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            deliver: Deliver) -> float:
-        """Send a request whose messages go to ``deliver``; returns its arrival time."""
+            deliver: Deliver, final_only: bool = False) -> float:
+        """Send a request whose messages go to ``deliver``; returns its arrival time. With
+        ``final_only`` its steps between the first token and the end come merged."""
         arrival = time.monotonic()
         self._subscriptions[request_id] = deliver
-        ipc.send(self._requests,
-                 AddRequest(request_id, self.index, prompt_token_ids, params, arrival))
+        ipc.send(self._requests, AddRequest(request_id, self.index, prompt_token_ids, params,
+                                            arrival, final_only))
         return arrival
 
     def abort(self, request_id: str) -> None:

@@ -79,6 +79,8 @@ class Generation:
             request.arrival = self.client.add(
                 request_id, prompt.token_ids, self.params,
                 lambda message, tag=i: self._receive(tag, message),
+                # Stop strings are found in the text, so it must follow every step.
+                final_only=not self.streaming and not self.params.stop_strings,
             )
 
     @property
@@ -162,7 +164,11 @@ class Generation:
 
     def _observe(self, request: EngineRequest, delta: RequestDelta) -> None:
         now = time.monotonic()
-        if any(s.new_token_ids for s in delta.seqs):
+        if delta.step_times and request.last_token_at is not None:
+            for at in delta.step_times:  # merged steps (final_only)
+                self.metrics.itl.observe(at - request.last_token_at)
+                request.last_token_at = at
+        elif any(s.new_token_ids for s in delta.seqs):
             if request.last_token_at is None:
                 self.metrics.ttft.observe(now - request.arrival)
             else:

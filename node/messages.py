@@ -36,6 +36,8 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic(), which all processes of a machine share
+    # Only the first token and the end are wanted; the steps between arrive merged with the end.
+    final_only: bool = False
 
 
 @dataclass
@@ -123,10 +125,10 @@ def _typed(tag: str, cls: type, version: int) -> Schema:
 SCHEMAS: dict[str, Schema] = {
     s.tag: s
     for s in (
-        _typed("add_request", AddRequest, 1),
+        _typed("add_request", AddRequest, 2),
         _typed("abort_request", AbortRequest, 1),
         _typed("stop_sequence", StopSequence, 1),
-        _typed("request_outputs", RequestOutputs, 1),
+        _typed("request_outputs", RequestOutputs, 2),
         _typed("request_rejected", RequestRejected, 1),
         _typed("worker_ready", WorkerReady, 1),
         _typed("process_ready", ProcessReady, 1),

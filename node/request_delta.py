@@ -36,3 +36,6 @@ class RequestDelta:
     error: str | None = None
     num_cached_tokens: int = 0
     timings: RequestTimings | None = None
+    # When several steps were merged into one delta: when each produced its tokens
+    # (time.monotonic()), for inter-token latency.
+    step_times: list[float] = field(default_factory=list)

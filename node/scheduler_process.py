@@ -1,7 +1,8 @@
 """The scheduler process: owns the block manager and the scheduler, drives the workers.
 
 Each step it sends every worker the same plan, waits for rank 0's samples, updates the
-requests, and ships the outputs to the API servers. With async scheduling (the default, with
+requests, and ships the outputs to the API servers (a request answered once gets its first
+token, then the rest with its end: see ``output_buffer``). With async scheduling (the default, with
 one worker) the plan of the next step is sent before the samples of the current one are back,
 its new tokens standing in as placeholders the worker fills in, so the worker never waits for
 this process; otherwise the next plan goes out as soon as the samples are in, before the
@@ -32,6 +33,7 @@ from pagedllm.node.messages import (
     WorkerReady,
 )
 from pagedllm.node.metrics import SchedulerMetrics
+from pagedllm.node.output_buffer import OutputBuffer
 from pagedllm.node.request_delta import RequestDelta
 from pagedllm.node.scheduler import Scheduler
 from pagedllm.node.step_plan import StepPlan, StepResult
@@ -80,6 +82,7 @@ class SchedulerLoop:
         self.poller.register(self.results, zmq.POLLIN)
         # request id -> index of the API server that gets its outputs
         self.clients: dict[str, int] = {}
+        self.outputs = OutputBuffer()
         self._sent_at: dict[int, float] = {}  # step id -> when its plan was sent
         self._last_result_at = 0.0
         # Async scheduling needs every rank to know the samples; only rank 0 samples.
@@ -167,6 +170,7 @@ class SchedulerLoop:
             elif isinstance(message, AbortRequest):
                 if self.scheduler.abort(message.request_id):
                     self.clients.pop(message.request_id, None)
+                    self.outputs.forget(message.request_id)
             elif isinstance(message, StopSequence):
                 final = self.scheduler.stop_sequence(
                     message.request_id, message.index, message.stop
@@ -199,10 +203,12 @@ class SchedulerLoop:
             ipc.send(client, RequestRejected(message.request_id, 400, str(error)))
             return
         self.clients[message.request_id] = message.client_index
+        if message.final_only:
+            self.outputs.hold_after_first(message.request_id)
 
     def _send_outputs(self, deltas: list[RequestDelta]) -> None:
         by_client: dict[int, list[RequestDelta]] = {}
-        for delta in deltas:
+        for delta in self.outputs.route(deltas, time.monotonic()):
             index = (self.clients.pop(delta.request_id, None) if delta.finished
                      else self.clients.get(delta.request_id))
             if index is not None:
