@@ -76,7 +76,7 @@ def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[st
         "pagedllm": Server(
             "pagedllm",
             [str(Path(sys.executable).parent / "pagedllm"), "serve", "--model", model,
-             "--host", "127.0.0.1", "--port", str(args.port), "--dtype", "float32",
+             "--host", "127.0.0.1", "--port", str(args.port), "--dtype", args.dtype,
              "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(max_len),
              "--max-num-seqs", str(max(256, max(args.concurrencies))),
              "--log-level", "warning"],
@@ -85,7 +85,7 @@ def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[st
         "transformers": Server(
             "transformers",
             [str(args.peers_venv / "bin" / "transformers"), "serve", "--continuous-batching",
-             "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1",
+             "--device", "cpu", "--dtype", args.dtype, "--host", "127.0.0.1",
              "--port", str(args.port + 1), "--model-timeout", "36000", model],
             env, args.port + 1, model, accepts_ignore_eos=False,
         ),
@@ -313,6 +313,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights and activations of both servers")
     parser.add_argument("--port", type=int, default=8811, help="PagedLLM's; the peer's + 1")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--load-generator", choices=sorted(LOAD_GENERATORS), default="guidellm")

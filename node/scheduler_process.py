@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -36,6 +35,7 @@ from pagedllm.node.metrics import SchedulerMetrics
 from pagedllm.node.output_buffer import OutputBuffer
 from pagedllm.node.request_delta import RequestDelta
 from pagedllm.node.scheduler import Scheduler
+from pagedllm.node.step_pipeline import StepPipeline
 from pagedllm.node.step_plan import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -104,35 +104,24 @@ class SchedulerLoop:
         ipc.send(self.control, ProcessReady("scheduler", 0))
         log.info("ready: %d KV blocks%s", self.scheduler.config.num_blocks,
                  ", async scheduling" if self.async_scheduling else "")
-        in_flight: deque[StepPlan] = deque()
+        pipeline = StepPipeline(self.scheduler, self._send, self.async_scheduling)
         while True:
-            if not in_flight:
+            if pipeline.idle:
                 if not self.scheduler.has_work():
                     self.metrics.observe(self.scheduler.stats())
                     self._receive(block=True)
                 self._receive(block=False)
-                in_flight.append(self._send(self.scheduler.schedule()))
-            if self.async_scheduling and len(in_flight) == 1:
-                # The next plan goes out before this one's samples are back, so the workers
-                # move on to it without waiting for this process.
-                ahead = self.scheduler.schedule_ahead(in_flight[0])
-                if ahead is not None and not ahead.is_empty:
-                    in_flight.append(self._send(ahead))
-            plan = in_flight.popleft()
-            result = self._await_result(plan.step_id)
-            deltas = self.scheduler.update(plan, result)
-            self._receive(block=False)
-            if not in_flight and self.scheduler.has_work():
-                in_flight.append(self._send(self.scheduler.schedule()))
+            pipeline.send_next()
+            deltas = pipeline.complete(lambda plan: self._await_result(plan.step_id),
+                                       lambda: self._receive(block=False))
             self._send_outputs(deltas)
             self.metrics.observe(self.scheduler.stats())
 
-    def _send(self, plan: StepPlan) -> StepPlan:
+    def _send(self, plan: StepPlan) -> None:
         data = messages.encode(plan)
         for worker in self.workers:
-            worker.send(data, copy=False)
+            worker.send(data)
         self._sent_at[plan.step_id] = time.perf_counter()
-        return plan
 
     def _await_result(self, step_id: int) -> StepResult:
         """Rank 0's result for ``step_id``; requests arriving meanwhile are taken in."""

@@ -21,6 +21,7 @@ from pagedllm.node.engine import LLMEngine, scheduler_config
 from pagedllm.node.plan_check import plan_problem
 from pagedllm.node.sampling_params import SamplingParams
 from pagedllm.node.scheduler import Scheduler
+from pagedllm.node.step_pipeline import StepPipeline
 from pagedllm.node.step_plan import (
     LAST_SAMPLE,
     NewSequence,
@@ -107,10 +108,9 @@ def drive(engine: LLMEngine, trace: Trace, ahead: bool) -> Run:
     sent: deque[StepPlan] = deque()
     results: dict[int, StepResult] = {}
 
-    def send(plan: StepPlan) -> StepPlan:
+    def send(plan: StepPlan) -> None:
         run.placeholders += sum(u.new_token_ids.count(LAST_SAMPLE) for u in plan.running)
         sent.append(plan)
-        return plan
 
     def result_of(plan: StepPlan) -> StepResult:
         while plan.step_id not in results:  # the worker: in order, each plan checked first
@@ -121,27 +121,24 @@ def drive(engine: LLMEngine, trace: Trace, ahead: bool) -> Run:
             results[step.step_id] = runner.execute(step)
         return results.pop(plan.step_id)
 
-    in_flight: deque[StepPlan] = deque()
+    # The scheduler process's order, with the model runner in place of the workers.
+    pipeline = StepPipeline(scheduler, send, plan_ahead=ahead)
     steps = 0
-    while scheduler.has_work() or in_flight:
-        if not in_flight:
-            in_flight.append(send(scheduler.schedule()))
-        if ahead and len(in_flight) == 1:
-            plan_ahead = scheduler.schedule_ahead(in_flight[0])
-            if plan_ahead is not None and not plan_ahead.is_empty:
-                in_flight.append(send(plan_ahead))
-        plan = in_flight.popleft()
-        steps += 1
-        if steps in trace.aborts:
+
+    def result_with_aborts(plan: StepPlan) -> StepResult:
+        if steps in trace.aborts:  # an abort lands while the step is out
             scheduler.abort(trace.aborts[steps])
-        for delta in scheduler.update(plan, result_of(plan)):
+        return result_of(plan)
+
+    while scheduler.has_work() or not pipeline.idle:
+        pipeline.send_next()
+        steps += 1
+        for delta in pipeline.complete(result_with_aborts):
             for seq in delta.seqs:
                 key = (delta.request_id, seq.index)
                 run.tokens[key] += seq.new_token_ids
                 if seq.finish_reason is not None:
                     run.finish[key] = seq.finish_reason
-        if not in_flight and scheduler.has_work():
-            in_flight.append(send(scheduler.schedule()))
         assert steps < 5000, "the trace does not end"
     assert not any(s.pending_sample for s in scheduler.running)
     assert scheduler.block_manager.usage == 0.0, "blocks left held at the end"
