@@ -44,6 +44,7 @@ KUBERNETES_VERSION = {"major": "1", "minor": "32", "gitVersion": "v1.32.0-emulat
 TABLE_GROUP_VERSION = "meta.k8s.io/v1"
 EVENT_LOG_LIMIT = 20_000
 NAMESPACE_CLEANUP_DELAY = 1.0  # seconds a deleted namespace stays Terminating
+GARBAGE_COLLECTION_DELAY = 0.2  # seconds before a dependent of a deleted owner goes
 STATUS_SUBRESOURCE = "status"
 SCALE_SUBRESOURCE = "scale"
 
@@ -755,7 +756,28 @@ class KubeEmulator:
         self.objects[key] = obj
         self._after_write(rtype, obj, None)
         self._emit(rtype, "ADDED", obj, None)
+        if self._owners_all_gone(obj):
+            # Created for an owner already deleted (a controller that read it just before):
+            # the garbage collector removes such a dependent shortly after, as on a cluster.
+            self._later(GARBAGE_COLLECTION_DELAY,
+                        lambda: self._collect_dangling(rtype, key, metadata["uid"]))
         return self._view(rtype, obj)
+
+    def _owners_all_gone(self, obj: dict[str, Any]) -> bool:
+        owners = {ref.get("uid") for ref in obj["metadata"].get("ownerReferences") or []}
+        return bool(owners) and not owners & {o["metadata"]["uid"] for o in self.objects.values()}
+
+    def _collect_dangling(self, rtype: ResourceType, key: ObjectKey, uid: str) -> None:
+        obj = self.objects.get(key)
+        if obj is not None and obj["metadata"]["uid"] == uid and self._owners_all_gone(obj):
+            self.delete(rtype, key[2] or None, key[3])
+
+    @staticmethod
+    def _later(delay: float, action: Callable[[], None]) -> None:
+        try:
+            asyncio.get_running_loop().call_later(delay, action)
+        except RuntimeError:  # used without an event loop: at once
+            action()
 
     def update(self, rtype: ResourceType, namespace: str | None, name: str,
                change: Callable[[dict[str, Any]], dict[str, Any]], *, subresource: str | None,
@@ -884,11 +906,7 @@ class KubeEmulator:
             self._emit(rtype, "MODIFIED", marked, current)
             if rtype.plural == "namespaces" and not rtype.group:
                 # Like the namespace controller: Terminating for a moment, then emptied.
-                try:
-                    asyncio.get_running_loop().call_later(
-                        NAMESPACE_CLEANUP_DELAY, self._finish_namespace, name)
-                except RuntimeError:  # used without an event loop: at once
-                    self._finish_namespace(name)
+                self._later(NAMESPACE_CLEANUP_DELAY, lambda: self._finish_namespace(name))
             return self._view(rtype, marked)
         self._remove(rtype, key, current)
         return self._view(rtype, current)

@@ -198,8 +198,10 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         cluster.kubectl("delete", "pllm", NAME, "--timeout=60s")
         cluster.kubectl("wait", "--for=delete", "pod", "-l", SELECTOR, "--timeout=120s",
                         timeout=140)
-        assert "No resources found" in cluster.kubectl("get", "deploy,rs,svc,pdb,pods",
-                                                       "-l", SELECTOR)
+        # The garbage collector also removes what a reconcile in flight created just after.
+        eventually(lambda: "No resources found" in cluster.kubectl(
+            "get", "deploy,rs,svc,pdb,pods", "-l", SELECTOR), timeout=30,
+            what="the PagedLLM's children to be gone")
         eventually(lambda: not cluster.pod_processes(), timeout=30,
                    what="every pod process to exit")
 

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -139,6 +140,29 @@ def test_live_watch_and_garbage_collection(kube: Kube) -> None:
     eventually(lambda: ("DELETED", "owned") in seen, what="the dependent's deletion")
     watcher.join()
     assert kube.get("/api/v1/namespaces/default/configmaps/owned") is None
+
+
+def test_a_dependent_created_after_its_owner_is_gone_is_collected(kube: Kube) -> None:
+    """A controller that read its owner just before the owner's deletion creates a child the
+    garbage collector then removes, as on a cluster."""
+    owner = kube.create(DEPLOYMENTS, deployment("short-lived"))
+    kube.delete(f"{DEPLOYMENTS}/short-lived")
+    late = {"metadata": {"name": "late", "ownerReferences": [{
+        "apiVersion": "apps/v1", "kind": "Deployment", "name": "short-lived",
+        "uid": owner["metadata"]["uid"]}]}, "data": {"k": "v"}}
+    kube.create("/api/v1/namespaces/default/configmaps", late)
+    eventually(lambda: kube.get("/api/v1/namespaces/default/configmaps/late") is None,
+               what="the dangling dependent to be collected")
+    kube.create("/api/v1/namespaces/default/configmaps",
+                {"metadata": {"name": "unowned"}, "data": {"k": "v"}})
+    live = kube.create(DEPLOYMENTS, deployment("live-owner"))
+    kube.create("/api/v1/namespaces/default/configmaps", {**late, "metadata": {
+        "name": "kept", "ownerReferences": [{**late["metadata"]["ownerReferences"][0],
+                                             "name": "live-owner",
+                                             "uid": live["metadata"]["uid"]}]}})
+    time.sleep(0.5)
+    assert kube.get("/api/v1/namespaces/default/configmaps/unowned") is not None
+    assert kube.get("/api/v1/namespaces/default/configmaps/kept") is not None
 
 
 def test_finalizers_hold_deletion(kube: Kube) -> None:
