@@ -1,9 +1,10 @@
 """Roofline: the model's matmuls timed alone, and the engine's decode step against them.
 
 A forward pass of a decoder is, in time, mostly its weight matmuls (q/k/v, o, gate/up and down
-per layer, then the LM head). Timed alone with torch at a batch's shape, with every layer's own
-weights so the memory traffic is the model's, they give the fastest this machine can run that
-batch: ``batch / matmul_time`` tokens/s. The engine's decode step (schedule, forward, sample) at
+per layer, then the LM head). Timed alone at a batch's shape, with every layer's own weights so
+the memory traffic is the model's, and run as the engine runs them (weights packed for oneDNN
+on x86 CPUs, else ``F.linear``), they give the fastest this machine can run that batch:
+``batch / matmul_time`` tokens/s. The engine's decode step (schedule, forward, sample) at
 the same batch is reported as a fraction of it; its steps and the matmuls of its own weights
 are timed in alternation, so that both see the same load on the machine.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,18 +50,32 @@ def model_matmuls(summary: dict[str, Any]) -> list[Matmul]:
     ]
 
 
+MatmulFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def weight_matmul(weight: torch.Tensor) -> MatmulFn:
+    """``x @ weight.T`` the way the engine runs it: with the weight packed for oneDNN where
+    the engine packs its weights (``pagedllm.node.models.cpu_linear``), else ``F.linear``."""
+    from pagedllm.node.models import cpu_linear
+
+    if cpu_linear.available(weight.device, weight.dtype):
+        packed = cpu_linear.pack(weight)
+        return lambda x: cpu_linear.linear(x, packed, None)
+    return lambda x: F.linear(x, weight)
+
+
 class MatmulTimer:
     """Every weight matrix of the model, to time the matmuls of one forward pass.
 
-    ``weights`` maps each matmul's name to its per-layer weights; by default they are random
-    matrices of the model's shapes.
+    ``weights`` maps each matmul's name to its per-layer matmuls; by default they multiply by
+    random matrices of the model's shapes, the way the engine multiplies by its weights.
     """
 
     def __init__(
         self,
         summary: dict[str, Any],
         dtype: torch.dtype = torch.float32,
-        weights: dict[str, list[torch.Tensor]] | None = None,
+        weights: dict[str, list[MatmulFn]] | None = None,
     ) -> None:
         self.matmuls = model_matmuls(summary)
         self.dtype = dtype
@@ -67,7 +83,8 @@ class MatmulTimer:
             generator = torch.Generator().manual_seed(0)
             weights = {
                 m.name: [
-                    torch.randn(m.out_features, m.in_features, generator=generator, dtype=dtype)
+                    weight_matmul(torch.randn(m.out_features, m.in_features,
+                                              generator=generator, dtype=dtype))
                     for _ in range(m.count)
                 ]
                 for m in self.matmuls
@@ -88,8 +105,8 @@ class MatmulTimer:
             for m in self.matmuls:
                 x = inputs[m.name]
                 t0 = time.perf_counter()
-                for w in self.weights[m.name]:
-                    F.linear(x, w)
+                for matmul in self.weights[m.name]:
+                    matmul(x)
                 elapsed = time.perf_counter() - t0
                 if rep > 0:  # the first pass warms up
                     samples[m.name].append(elapsed)
@@ -112,16 +129,20 @@ def roofline_table(timer: MatmulTimer, batches: list[int]) -> list[dict[str, Any
     return rows
 
 
-def engine_weights(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
-    """The loaded model's own weight matrices, by matmul name."""
+def engine_weights(model: torch.nn.Module) -> dict[str, list[MatmulFn]]:
+    """The loaded model's own weight matmuls (packed or not, as it runs them), by name."""
     layers = model.model.layers
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+
+    def own(module: torch.nn.Module) -> MatmulFn:
+        return lambda x: module.matmul(x, None)
+
     return {
-        "qkv_proj": [layer.self_attn.qkv_proj.weight for layer in layers],
-        "o_proj": [layer.self_attn.o_proj.weight for layer in layers],
-        "gate_up_proj": [layer.mlp.gate_up_proj.weight for layer in layers],
-        "down_proj": [layer.mlp.down_proj.weight for layer in layers],
-        "lm_head": [head.weight],
+        "qkv_proj": [own(layer.self_attn.qkv_proj) for layer in layers],
+        "o_proj": [own(layer.self_attn.o_proj) for layer in layers],
+        "gate_up_proj": [own(layer.mlp.gate_up_proj) for layer in layers],
+        "down_proj": [own(layer.mlp.down_proj) for layer in layers],
+        "lm_head": [lambda x: F.linear(x, head.weight)],
     }
 
 

@@ -18,8 +18,8 @@ from safetensors import safe_open
 
 from pagedllm.kernels import kernel_ops
 from pagedllm.node.model_config import ModelConfig, ModelLoadError, read_model_config
-from pagedllm.node.models import MODEL_CLASSES
-from pagedllm.node.models.layers import RotaryEmbedding
+from pagedllm.node.models import MODEL_CLASSES, cpu_linear
+from pagedllm.node.models.layers import PackableLinear, RotaryEmbedding
 from pagedllm.node.models.llama import CausalLM
 
 if TYPE_CHECKING:
@@ -79,6 +79,10 @@ def load_model(
         if isinstance(module, RotaryEmbedding):
             module.reset_parameters()
     model.requires_grad_(False)
+    if cpu_linear.available(device, torch_dtype):
+        for module in model.modules():
+            if isinstance(module, PackableLinear):
+                module.pack_weight()
     return model.eval(), config
 
 

@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.node.models import cpu_linear
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -100,14 +102,33 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated_half * sin[:, None, :]
 
 
-class ColumnParallelLinear(nn.Linear):
+class PackableLinear(nn.Linear):
+    """A linear layer whose weight can be packed for oneDNN once loaded (``cpu_linear``)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack_weight(self) -> None:
+        """Keep the weight only in oneDNN's layout (the dense copy is freed)."""
+        self.packed = cpu_linear.pack(self.weight)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_linear.linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+
+class ColumnParallelLinear(PackableLinear):
     """A linear layer whose output features are split across ranks; no communication."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_size: int) -> None:
         super().__init__(in_features, out_features // tp_size, bias=bias)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(PackableLinear):
     """A linear layer whose input features are split across ranks; partial sums are
     all-reduced, and the (replicated) bias is added once, after the reduction."""
 
@@ -117,8 +138,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return super().forward(x)
-        out = F.linear(x, self.weight)
+            return self.matmul(x, self.bias)
+        out = self.matmul(x, None)
         dist.all_reduce(out)
         if self.bias is not None:
             out = out + self.bias
