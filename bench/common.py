@@ -166,6 +166,10 @@ def make_workload(
     return Workload(prompts, outputs, seed, spec)
 
 
+# What --dtype offers in the benchmarks: the same for every engine in a run.
+DTYPE_CHOICES = ("float32", "bfloat16")
+
+
 def kv_bytes_per_token(model_dir: Path, dtype: str = "float32") -> int:
     """Bytes of K and V, all layers, of one token in a ``dtype`` cache."""
     import torch

@@ -213,7 +213,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory (default: the ~100M benchmark model)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=common.DTYPE_CHOICES, default="float32")
     parser.add_argument("--batch", type=int, default=32, help="decode batch of the target")
     parser.add_argument("--context", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--rounds", type=int, default=6,

@@ -313,7 +313,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+    parser.add_argument("--dtype", choices=common.DTYPE_CHOICES, default="float32",
                         help="weights and activations of both servers")
     parser.add_argument("--port", type=int, default=8811, help="PagedLLM's; the peer's + 1")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)

@@ -201,7 +201,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+    parser.add_argument("--dtype", choices=common.DTYPE_CHOICES, default="float32",
                         help="weights, activations and KV cache of every engine")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--kv-tokens", type=int, default=16384,

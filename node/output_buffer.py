@@ -56,18 +56,18 @@ class OutputBuffer:
                 out.append(delta)
                 continue
             held = self._held[delta.request_id]
-            if held is None and not any(s.new_token_ids for s in delta.seqs):
-                out.append(delta)  # nothing generated yet (prompt logprobs, an error)
-            elif held is None:
-                out.append(delta)  # the first token
-                self._held[delta.request_id] = RequestDelta(delta.request_id)
+            if held is None:
+                # Sent as it is: the first token, or what comes before one (an error).
+                out.append(delta)
+                if any(s.new_token_ids for s in delta.seqs):
+                    self._held[delta.request_id] = RequestDelta(delta.request_id)
             else:
                 stamped = replace(delta, step_times=[now]) if delta.seqs else delta
-                self._held[delta.request_id] = merge(held, stamped)
+                held = self._held[delta.request_id] = merge(held, stamped)
             if delta.finished:
-                merged = self._held.pop(delta.request_id)
-                if merged is not None and out[-1:] != [delta]:
-                    out.append(merged)
+                self._held.pop(delta.request_id)
+                if held is not None:
+                    out.append(held)
         return out
 
     def __len__(self) -> int:

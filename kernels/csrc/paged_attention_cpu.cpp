@@ -34,6 +34,7 @@ constexpr int kWidth = 8;
 #endif
 typedef float vfloat __attribute__((vector_size(kWidth * 4)));
 typedef uint32_t vuint __attribute__((vector_size(kWidth * 4)));
+typedef int32_t vint __attribute__((vector_size(kWidth * 4)));
 typedef uint16_t vhalf __attribute__((vector_size(kWidth * 2)));
 
 inline vfloat load(const float* p) {
@@ -78,8 +79,6 @@ inline void store_sums(const vfloat* acc, float* sums, int64_t stride) {
   for (int g = 0; g < G; ++g) sums[g * stride] = sum(acc[g]);
 #endif
 }
-
-typedef int32_t vint __attribute__((vector_size(kWidth * 4)));
 
 // ``n`` rounded up to whole vectors: rows of scores are this long.
 inline int64_t padded(int64_t n) { return (n + kWidth - 1) / kWidth * kWidth; }

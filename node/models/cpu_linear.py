@@ -1,8 +1,8 @@
 """Weight matmuls on the CPU through oneDNN, each weight packed once into oneDNN's blocked
 layout when the model is loaded (what inductor's CPU backend does with frozen weights).
 
-At decode batches (4-128 rows) this runs the model's matmuls 10-30 % faster here than
-``F.linear``, which repacks on every call; at one row it is on par. Used on x86 CPUs for
+At decode batches (4-128 rows) this ran the model's matmuls 10-30 % faster than ``F.linear``
+on the development machine; at one row it is on par. Used on x86 CPUs for
 float32 and bfloat16 weights; ``PAGEDLLM_ONEDNN_LINEAR=0`` keeps ``F.linear``.
 """
 
