@@ -19,10 +19,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import _bootstrap
-
-_bootstrap.use_checkout()
-
 RESULTS = Path(__file__).resolve().parent / "results"
 # The machine's load before the benchmark adds its own.
 LOAD_AT_START = os.getloadavg()[0]
@@ -72,7 +68,7 @@ def _write_bench_model(directory: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from pagedllm.node.demo_model import demo_model_dir
+    from pagedllm.models.demo import demo_model_dir
 
     demo = demo_model_dir()
     demo_config = json.loads((demo / "config.json").read_text())

@@ -2,7 +2,8 @@
 # One-shot check of the Triton kernels on a CUDA machine where nothing can be installed:
 # the kernel tests compiled for the GPU, then the bandwidth benchmark. Needs a Python with
 # torch (CUDA) and triton; pytest is optional (without it only the benchmark runs, and it
-# still checks the kernel's output against SDPA). pagedllm need not be installed.
+# still checks the kernel's output against SDPA). pagedllm need not be installed: without it
+# the checkout is put on PYTHONPATH as a tree of links laid out as the wheel lays it out.
 #
 #   bash bench/gpu_check.sh            # everything lands in gpu-out/ at the repository root
 #   OUT=/some/dir bash bench/gpu_check.sh
@@ -41,6 +42,15 @@ fi
 # The point is to compile the kernels for the GPU, not to interpret them.
 unset TRITON_INTERPRET
 
+# pagedllm from this checkout when the python has none installed: node/ is the package,
+# kernels/ and operator/ its subpackages (pyproject's package-dir). Never the repository root
+# itself: its operator/ would shadow the standard library's operator at start-up.
+if ! "$PYTHON" -c "import pagedllm" >/dev/null 2>&1; then
+    STAGE="$(mktemp -d)" && mkdir "$STAGE/pagedllm" || exit 1
+    ln -s "$REPO"/node/* "$STAGE/pagedllm/" && ln -s "$REPO/kernels" "$REPO/operator" "$STAGE/pagedllm/"
+    export PYTHONPATH="$STAGE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
 {
     echo "python: $(command -v "$PYTHON")"
     "$PYTHON" - <<'EOF'
@@ -68,7 +78,7 @@ fi
 status=0
 
 if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
-    timeout 300 "$PYTHON" bench/_bootstrap.py pytest tests/test_kernels.py -q -rfE \
+    timeout 300 "$PYTHON" -m pytest tests/kernels/test_kernels.py -q -rfE \
         -p no:cacheprovider --junitxml="$OUT/test_kernels.xml" 2>&1 | tee "$OUT/test_kernels.log"
     tests=${PIPESTATUS[0]}
     if [[ $tests -eq 0 ]]; then

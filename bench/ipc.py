@@ -31,21 +31,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import _bootstrap
+import httpx
+import torch
 
-_bootstrap.use_checkout()
-
-import httpx  # noqa: E402
-import torch  # noqa: E402
-
-from pagedllm.node.config import EngineConfig  # noqa: E402
-from pagedllm.node.engine import LLMEngine  # noqa: E402
-from pagedllm.node.sampling_params import SamplingParams  # noqa: E402
-from pagedllm.node.worker_process import torch_threads  # noqa: E402
+from pagedllm.config import EngineConfig
+from pagedllm.llm_engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.serve.worker_process import torch_threads
 
 KV_CACHE_MEMORY = 64 << 20
 TARGET_OVERHEAD = 0.10
-BOOTSTRAP = str(Path(__file__).resolve().with_name("_bootstrap.py"))
 
 
 def prompts(batch: int) -> list[str]:
@@ -79,7 +74,7 @@ class Node:
         self.log = log_dir / "serve.log"
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, BOOTSTRAP, "pagedllm.node.cli", "serve", "--host", "127.0.0.1",
+                [sys.executable, "-m", "pagedllm.cli", "serve", "--host", "127.0.0.1",
                  "--port", str(self.port), "--kv-cache-memory", str(KV_CACHE_MEMORY)],
                 stdout=log, stderr=subprocess.STDOUT,
             )

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import _bootstrap
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -277,7 +276,6 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("bench/kernels.py: no CUDA device, nothing to benchmark")
         return 0
-    _bootstrap.use_checkout()
     import triton
 
     device_name = torch.cuda.get_device_name()

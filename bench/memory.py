@@ -40,7 +40,7 @@ TARGET_TTFT_SPEEDUP = 5.0
 
 
 def demo_model() -> Path:
-    from pagedllm.node.demo_model import demo_model_dir
+    from pagedllm.models.demo import demo_model_dir
 
     return demo_model_dir()
 
@@ -54,7 +54,7 @@ def make_llm(model_dir: Path, kv_tokens: int, max_model_len: int, **kwargs: Any)
 
 
 def live_seqs(scheduler) -> list:
-    from pagedllm.node.sequence import SequenceStatus
+    from pagedllm.core.sequence import SequenceStatus
 
     return [s for s in scheduler.running if s.status == SequenceStatus.RUNNING]
 

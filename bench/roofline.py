@@ -55,8 +55,8 @@ MatmulFn = Callable[[torch.Tensor], torch.Tensor]
 
 def weight_matmul(weight: torch.Tensor) -> MatmulFn:
     """``x @ weight.T`` the way the engine runs it: with the weight packed for oneDNN where
-    the engine packs its weights (``pagedllm.node.models.cpu_linear``), else ``F.linear``."""
-    from pagedllm.node.models import cpu_linear
+    the engine packs its weights (``pagedllm.models.cpu_linear``), else ``F.linear``."""
+    from pagedllm.models import cpu_linear
 
     if cpu_linear.available(weight.device, weight.dtype):
         packed = cpu_linear.pack(weight)

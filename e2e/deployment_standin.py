@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kube_rest import KubeRest, collection_path
+from e2e.kube_rest import KubeRest, collection_path
 
 POD_TEMPLATE_HASH = "pod-template-hash"
 REVISION_ANNOTATION = "deployment.kubernetes.io/revision"

@@ -9,7 +9,7 @@ resources from the CRDs created in it (defaults, pruning, schema and CEL validat
 
 No controllers run here: nothing turns a Deployment into pods. Run it standalone with
 
-    python e2e/kube_emulator.py --port 8001 --kubeconfig /tmp/kubeconfig
+    python -m e2e.kube_emulator --port 8001 --kubeconfig /tmp/kubeconfig
 
 or in-process from tests with `EmulatorThread`.
 """
@@ -34,11 +34,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-try:  # run as a script, or imported with e2e/ on sys.path
-    import crd_validation
-except ImportError:  # imported some other way: the sibling module is still next to this file
-    sys.path.insert(0, str(Path(__file__).parent))
-    import crd_validation
+from e2e import crd_validation
 
 KUBERNETES_VERSION = {"major": "1", "minor": "32", "gitVersion": "v1.32.0-emulator"}
 TABLE_GROUP_VERSION = "meta.k8s.io/v1"

@@ -50,9 +50,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from deployment_standin import KUBELET_FINALIZER, is_terminating
-from kube_rest import KubeApiError, KubeRest, collection_path
 
+from e2e.deployment_standin import KUBELET_FINALIZER, is_terminating
+from e2e.kube_rest import KubeApiError, KubeRest, collection_path
 from pagedllm.kernels import cpu_extension
 from pagedllm.operator.children import METRICS_PORT_ANNOTATION
 

@@ -25,12 +25,12 @@ from typing import Any
 
 import httpx
 import yaml
-from deployment_standin import DeploymentStandin
-from kube_rest import KubeRest
-from kubelet_standin import LOOPBACK, KubeletStandin, free_port, process_group_members
-from polling import eventually
-from service_proxy import ServiceProxies
 
+from e2e.deployment_standin import DeploymentStandin
+from e2e.kube_rest import KubeRest
+from e2e.kubelet_standin import LOOPBACK, KubeletStandin, free_port, process_group_members
+from e2e.polling import eventually
+from e2e.service_proxy import ServiceProxies
 from pagedllm.kernels import cpu_extension
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,9 +152,9 @@ class LocalCluster:
     def start_api_server(self) -> None:
         self.api_server = LocalProcess(
             "kube-emulator",
-            [sys.executable, str(E2E / "kube_emulator.py"), "--port", "0",
+            [sys.executable, "-m", "e2e.kube_emulator", "--port", "0",
              "--kubeconfig", str(self.kubeconfig)],
-            {**os.environ}, self.workdir, self.workdir / "emulator.log")
+            {**os.environ}, REPO, self.workdir / "emulator.log")
         eventually(lambda: self.kubeconfig.exists() or self._exited(self.api_server),
                    timeout=30, what="the API emulator")
         self._check_running(self.api_server)

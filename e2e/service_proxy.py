@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployment_standin import is_pod_ready
-from kube_rest import KubeRest, collection_path
-from kubelet_standin import HOST_PORTS_ANNOTATION, LOOPBACK
+from e2e.deployment_standin import is_pod_ready
+from e2e.kube_rest import KubeRest, collection_path
+from e2e.kubelet_standin import HOST_PORTS_ANNOTATION, LOOPBACK
 
 CHUNK = 64 * 1024
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import httpx
 import pytest
-from client_checks import KeepStreaming, Load, run_checks
-from deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
-from kubelet_standin import HOST_PORTS_ANNOTATION
-from local_cluster import NAMESPACE, REPO, LocalCluster, eventually
 
+from e2e.client_checks import KeepStreaming, Load, run_checks
+from e2e.deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
+from e2e.kubelet_standin import HOST_PORTS_ANNOTATION
+from e2e.local_cluster import NAMESPACE, REPO, LocalCluster, eventually
 from pagedllm.operator.autoscaler import parse_prometheus_value
 
 SCENARIO = REPO / "e2e" / "demo-pagedllm.yaml"

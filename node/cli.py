@@ -17,7 +17,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from pagedllm.node.serve_args import add_serve_arguments, byte_size, positive_int, serve_args
+from pagedllm.serve.args import add_serve_arguments, byte_size, positive_int, serve_args
 
 HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[\w./-]+))?$")
 
@@ -63,13 +63,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         settings = serve_args(args, parser)
-        from pagedllm.node.supervisor import serve
+        from pagedllm.serve.supervisor import serve
 
         return serve(settings)
     if args.command == "generate":
         return _generate(args, parser)
     if args.command == "demo-model":
-        from pagedllm.node.demo_model import write_demo_model
+        from pagedllm.models.demo import write_demo_model
 
         print(write_demo_model(args.directory))
         return 0

@@ -7,10 +7,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.node.config import EngineConfig
-from pagedllm.node.engine import LLMEngine
-from pagedllm.node.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from pagedllm.node.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.llm_engine import LLMEngine
+from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | dict[str, Any]
 Message = dict[str, str]

@@ -1,5 +1,4 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -8,9 +7,6 @@ import pytest
 # anything imports triton.
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# Test helpers (fake workers, tiny model builders) live beside the tests.
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session", autouse=True)

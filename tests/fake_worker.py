@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from pagedllm.node.step_plan import SeqSample, StepPlan, StepResult
+from pagedllm.core.step_plan import SeqSample, StepPlan, StepResult
 
 
 class FakeWorker:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import save_engine_model
 from transformers import GenerationConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.node.engine import LLMEngine
+from pagedllm.llm_engine import LLMEngine
+from tests.tiny_models import save_engine_model
 
 VOCAB = 128
 TINY = dict(

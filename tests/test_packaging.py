@@ -31,21 +31,45 @@ def test_operator_package_and_stdlib_operator_coexist_from_the_repository_root()
     assert torch_loaded == "False"  # the operator stays light
 
 
-def test_package_folders_map_to_subpackages():
+# The one rule from a file to its import path (pyproject's package-dir, stated in the README).
+PACKAGE_OF_FOLDER = {
+    "node": "pagedllm",
+    "kernels": "pagedllm.kernels",
+    "operator": "pagedllm.operator",
+}
+
+
+def module_of(path: Path) -> str:
+    """``node/core/scheduler.py`` -> ``pagedllm.core.scheduler``, by the rule above."""
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    parts = [PACKAGE_OF_FOLDER[folder], *rest]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_files() -> list[Path]:
+    return sorted(p for folder in PACKAGE_OF_FOLDER for p in (ROOT / folder).rglob("*.py"))
+
+
+def test_every_source_file_imports_under_the_path_the_rule_gives_it():
+    modules = {module_of(p): p for p in source_files()}
     out = run_in_root(
-        "import pagedllm, pagedllm.node, pagedllm.kernels\n"
-        "print(pagedllm.node.__file__); print(pagedllm.kernels.__file__)\n"
-        "from pagedllm import LLM, SamplingParams; print(LLM.__module__)"
+        "import importlib, sys\n"
+        f"for name in {sorted(modules)!r}:\n"
+        "    print(name, importlib.util.find_spec(name).origin)\n"
     )
-    node_file, kernels_file, llm_module = out.splitlines()
-    assert Path(node_file) == ROOT / "node" / "__init__.py"
-    assert Path(kernels_file) == ROOT / "kernels" / "__init__.py"
-    assert llm_module == "pagedllm.node.llm"
+    found = dict(line.split(" ", 1) for line in out.splitlines())
+    assert {name: Path(origin) for name, origin in found.items()} == modules
+    assert module_of(ROOT / "node" / "core" / "scheduler.py") == "pagedllm.core.scheduler"
 
 
-def test_the_wheel_carries_the_data_files_and_the_kernel_source(tmp_path: Path):
-    """What a non-editable install (the container image) gets: templates, word lists and the
-    C++ source the CPU kernels are built from."""
+def test_the_public_surface_stays_at_the_top():
+    out = run_in_root("from pagedllm import LLM, SamplingParams; print(LLM.__module__)")
+    assert out == "pagedllm.llm"
+
+
+def test_the_wheel_carries_every_module_the_data_files_and_the_kernel_source(tmp_path: Path):
+    """What a non-editable install (the container image) gets: every module, templates, word
+    lists and the C++ source the CPU kernels are built from."""
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300,
@@ -54,4 +78,9 @@ def test_the_wheel_carries_the_data_files_and_the_kernel_source(tmp_path: Path):
     (wheel,) = tmp_path.glob("pagedllm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "pagedllm/kernels/csrc/paged_attention_cpu.cpp" in names
-    assert any(n.startswith("pagedllm/node/data/") and n.endswith(".jinja") for n in names)
+    assert any(n.startswith("pagedllm/models/data/") and n.endswith(".jinja") for n in names)
+    expected = {
+        module_of(p).replace(".", "/") + ("/__init__.py" if p.name == "__init__.py" else ".py")
+        for p in source_files()
+    }
+    assert expected <= names, sorted(expected - names)

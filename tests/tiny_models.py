@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from pagedllm.node.demo_model import demo_model_dir
+from pagedllm.models.demo import demo_model_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

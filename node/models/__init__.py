@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedllm.node.models.llama import CausalLM
+from pagedllm.models.llama import CausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": CausalLM,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.node.models import cpu_linear
+from pagedllm.models import cpu_linear
 
 
 class RMSNorm(nn.Module):

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.node.attention_metadata import AttentionMetadata
-from pagedllm.node.models.layers import (
+from pagedllm.models.layers import (
     ColumnParallelLinear,
     GatedMLP,
     RMSNorm,
@@ -23,9 +22,10 @@ from pagedllm.node.models.layers import (
     RowParallelLinear,
     apply_rotary,
 )
+from pagedllm.worker.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from pagedllm.node.model_config import ModelConfig
+    from pagedllm.models.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import (
+
+from tests.operator.operator_harness import (
     KOPF_RUN,
     EmulatorThread,
     Kube,

@@ -14,15 +14,13 @@ from typing import Any
 import httpx
 import yaml
 
+# Re-exported for the fixtures (explicit `as` marks the re-export).
+from e2e.kube_emulator import EmulatorThread as EmulatorThread
+from e2e.kube_emulator import kubeconfig_text as kubeconfig_text
+from e2e.polling import eventually as _eventually
+
 REPO = Path(__file__).resolve().parents[2]
 E2E = REPO / "e2e"
-if str(E2E) not in sys.path:
-    sys.path.insert(0, str(E2E))
-
-# Re-exported for the fixtures (explicit `as` marks the re-export).
-from kube_emulator import EmulatorThread as EmulatorThread  # noqa: E402
-from kube_emulator import kubeconfig_text as kubeconfig_text  # noqa: E402
-from polling import eventually as _eventually  # noqa: E402
 
 CRD_PATH = REPO / "crds" / "pagedllm.yaml"
 SAMPLES = REPO / "manifests" / "samples"

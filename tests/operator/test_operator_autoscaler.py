@@ -9,7 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from operator_harness import PLLM, Kube, eventually, pagedllm
+
+from tests.operator.operator_harness import PLLM, Kube, eventually, pagedllm
 
 pytestmark = pytest.mark.usefixtures("crd", "operator_process")
 

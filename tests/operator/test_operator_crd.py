@@ -7,12 +7,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import crd_validation
 import pytest
 import yaml
-from operator_harness import SAMPLES, load_crd
 
+from e2e import crd_validation
 from pagedllm.operator.spec import parse_spec
+from tests.operator.operator_harness import SAMPLES, load_crd
 
 CRD = load_crd()
 (VERSION,) = CRD["spec"]["versions"]

@@ -12,7 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-from operator_harness import E2E, Kube, KubeError, eventually, load_crd, pagedllm
+
+from tests.operator.operator_harness import E2E, Kube, KubeError, eventually, load_crd, pagedllm
 
 DEPLOYMENTS = "/apis/apps/v1/namespaces/default/deployments"
 
@@ -211,8 +212,8 @@ def test_runs_standalone_with_a_kubeconfig(tmp_path: Any) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     kubeconfig = tmp_path / "config"
-    server = subprocess.Popen([sys.executable, str(E2E / "kube_emulator.py"), "--port",
-                               str(port), "--kubeconfig", str(kubeconfig)], cwd=tmp_path,
+    server = subprocess.Popen([sys.executable, "-m", "e2e.kube_emulator", "--port",
+                               str(port), "--kubeconfig", str(kubeconfig)], cwd=E2E.parent,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from operator_harness import CRD_PATH, SAMPLES, Kube, eventually
+
+from tests.operator.operator_harness import CRD_PATH, SAMPLES, Kube, eventually
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 

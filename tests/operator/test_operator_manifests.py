@@ -9,7 +9,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from operator_harness import REPO
+
+from tests.operator.operator_harness import REPO
 
 # Every call the operator and kopf make, as (apiGroup, resource, verb).
 NEEDED = {

@@ -6,7 +6,8 @@ import time
 from typing import Any
 
 import pytest
-from operator_harness import (
+
+from tests.operator.operator_harness import (
     KOPF_RUN,
     PLLM,
     Kube,

@@ -1,0 +1,219 @@
+"""The HTTP front: OpenAI-compatible routes, health, metrics, tokenization.
+
+Every error leaves in OpenAI's shape (``{"error": {...}}``) with its status: 400 for invalid
+input, 401 for a missing or wrong API key, 404 for an unknown model or route, 413 for an
+oversized body, 503 (with Retry-After) while the node is starting, draining, failed or full.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedllm import __version__
+from pagedllm.api.engine_client import NodeState
+from pagedllm.api.event_stream import EventStreamResponse, unless_disconnected
+from pagedllm.api.generation import GenerationError
+from pagedllm.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    error_body,
+)
+from pagedllm.api.serving import ApiError, ServingContext, from_generation_error
+from pagedllm.api.serving_chat import ChatRun, prepare_chat
+from pagedllm.api.serving_completions import CompletionRun, prepare_completion
+from pagedllm.serve import metrics
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20
+# Probes and scrapers must reach these without the API key.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+ERROR_KINDS = {400: "invalid_request_error", 401: "authentication_error",
+               404: "not_found_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 503: "service_unavailable_error"}
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class ApiKeyMiddleware:
+    """Checks ``Authorization: Bearer <key>`` before the body is read."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = _error_response(ApiError(
+                    401, "missing or wrong API key: send Authorization: Bearer <key>",
+                    "authentication_error", "invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                ))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a body over ``limit`` bytes: at once from Content-Length, or as soon as a
+    chunked body grows past it."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await _error_response(self._too_large())(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise HTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body exceeds {self.limit} bytes",
+                        code="request_too_large")
+
+
+def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for item in error.errors()[:5]:
+        loc = [str(p) for p in item.get("loc", ()) if p != "body"]
+        where = ".".join(loc)
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
+    return "invalid request: " + "; ".join(parts), param
+
+
+def build_app(ctx: ServingContext, api_key: str | None) -> FastAPI:
+    app = FastAPI(title="PagedLLM", version=__version__)
+    app.add_middleware(BodyLimitMiddleware, limit=MAX_BODY_BYTES)
+    if api_key:  # added last, so it runs first: no body is read for a caller without the key
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, error: ApiError) -> JSONResponse:
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(error)
+        return _error_response(ApiError(400, message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        kind = ERROR_KINDS.get(error.status_code, "invalid_request_error")
+        body = error_body(str(error.detail), kind)
+        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, error: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return JSONResponse(error_body(f"internal error: {error}", "server_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        state = ctx.client.state
+        if state == NodeState.READY:
+            return Response(status_code=200)
+        reason = ctx.client.failure if state == NodeState.FAILED else None
+        message = f"the server is {state.value}" + (f": {reason}" if reason else "")
+        return JSONResponse(error_body(message, "service_unavailable_error", state.value),
+                            status_code=503, headers={"Retry-After": "1"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
+             "root": ctx.model_dir, "parent": None, "max_model_len": ctx.max_model_len}
+            for name in ctx.model_names
+        ]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _generate(prepare_completion(ctx, body), body.stream, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _generate(prepare_chat(ctx, body), body.stream, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            text = ctx.render_chat(body.messages, body.add_generation_prompt)
+            tokens = ctx.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        ctx.check_token_ids(body.tokens, "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+async def _generate(run: CompletionRun | ChatRun, stream: bool, request: Request) -> Response:
+    """Start the generation; answer with the whole result, or stream it once the first step
+    is in (so that a rejection still gets its own status instead of a broken stream)."""
+    generation = run.generation
+    generation.start()
+    handed_over = False
+    try:
+        if stream:
+            first = await unless_disconnected(generation.next(), request.receive)
+            if first is None:
+                return Response(status_code=499)  # the client left; nobody reads this
+            handed_over = True
+            return EventStreamResponse(run.stream(first), generation.close)
+        await unless_disconnected(generation.run_to_end(), request.receive)
+        if not generation.done:
+            return Response(status_code=499)  # the client left; nobody reads this
+        return JSONResponse(run.response())
+    except GenerationError as error:
+        return _error_response(from_generation_error(error))
+    finally:
+        if not handed_over:
+            generation.close()

@@ -1,0 +1,164 @@
+"""An API server's line to the scheduler and the supervisor.
+
+Requests go out on a PUSH socket; one task reads the server's inbox and routes each message
+to the queue of the HTTP request it belongs to. The inbox also carries the supervisor's
+orders, which set the node state that ``/health`` reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pagedllm.ipc import sockets
+from pagedllm.ipc.messages import (
+    AbortRequest,
+    AddRequest,
+    ApiServerIdle,
+    Drain,
+    NodeFailed,
+    NodeReady,
+    ProcessReady,
+    RequestOutputs,
+    RequestRejected,
+    StopSequence,
+)
+from pagedllm.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class NodeState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+# Takes each message the scheduler (or the supervisor) sends about one engine request.
+Deliver = Callable[[Any], None]
+
+
+class EngineClient:
+    def __init__(self, paths: sockets.IpcPaths, index: int) -> None:
+        self.index = index
+        self.state = NodeState.STARTING
+        self.failure: str | None = None
+        self.in_flight = 0
+        self._subscriptions: dict[str, Deliver] = {}
+        self._sync_ctx = zmq.Context()
+        self._async_ctx = zmq.asyncio.Context()
+        self._requests = sockets.push(self._sync_ctx, paths.requests)
+        self._control = sockets.push(self._sync_ctx, paths.control)
+        self._inbox = sockets.pull(self._async_ctx, paths.api(index))
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start reading the inbox (from inside the event loop)."""
+        self._task = asyncio.get_running_loop().create_task(self._receive())
+        self._task.add_done_callback(_exit_if_failed)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._async_ctx.destroy(linger=0)
+        self._sync_ctx.destroy(linger=0)
+
+    def report_ready(self) -> None:
+        sockets.send(self._control, ProcessReady("api_server", self.index))
+
+    # ----- requests ------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            deliver: Deliver, final_only: bool = False) -> float:
+        """Send a request whose messages go to ``deliver``; returns its arrival time. With
+        ``final_only`` its steps between the first token and the end come merged."""
+        arrival = time.monotonic()
+        self._subscriptions[request_id] = deliver
+        sockets.send(self._requests, AddRequest(request_id, self.index, prompt_token_ids, params,
+                                            arrival, final_only))
+        return arrival
+
+    def abort(self, request_id: str) -> None:
+        self._subscriptions.pop(request_id, None)
+        sockets.send(self._requests, AbortRequest(request_id))
+
+    def stop_sequence(self, request_id: str, index: int, stop: str) -> None:
+        sockets.send(self._requests, StopSequence(request_id, index, stop))
+
+    def forget(self, request_id: str) -> None:
+        self._subscriptions.pop(request_id, None)
+
+    def begin(self) -> None:
+        self.in_flight += 1
+
+    def end(self) -> None:
+        self.in_flight -= 1
+        self._report_idle()
+
+    def _report_idle(self) -> None:
+        if self.state == NodeState.DRAINING and self.in_flight == 0:
+            sockets.send(self._control, ApiServerIdle(self.index))
+
+    # ----- the inbox -----------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        where = f"api server {self.index}"
+        while True:
+            data = await self._inbox.recv()
+            message = sockets.parse(data, where)
+            if isinstance(message, RequestOutputs):
+                for delta in message.deltas:
+                    self._deliver(delta.request_id, delta, delta.finished)
+            elif isinstance(message, RequestRejected):
+                self._deliver(message.request_id, message, True)
+            elif isinstance(message, NodeReady):
+                if self.state == NodeState.STARTING:
+                    self.state = NodeState.READY
+                    log.info("the node is ready")
+            elif isinstance(message, Drain):
+                if self.state in (NodeState.STARTING, NodeState.READY):
+                    self.state = NodeState.DRAINING
+                    log.info("draining: %d requests in flight", self.in_flight)
+                    self._report_idle()
+            elif isinstance(message, NodeFailed):
+                self._fail(message)
+            elif message is not None:
+                log.warning("%s: ignored a %s message", where, type(message).__name__)
+
+    def _deliver(self, request_id: str, message: Any, last: bool) -> None:
+        deliver = (self._subscriptions.pop(request_id, None) if last
+                   else self._subscriptions.get(request_id))
+        if deliver is not None:
+            _call(deliver, request_id, message)
+
+    def _fail(self, message: NodeFailed) -> None:
+        self.state = NodeState.FAILED
+        self.failure = message.reason
+        log.error("the node failed: %s", message.reason)
+        subscriptions, self._subscriptions = self._subscriptions, {}
+        for request_id, deliver in subscriptions.items():
+            _call(deliver, request_id, message)
+
+
+def _exit_if_failed(task: asyncio.Task[None]) -> None:
+    # An API server that no longer hears the scheduler would hang every request: better to
+    # die, which the supervisor turns into a restart of the node.
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("the inbox reader failed", exc_info=task.exception())
+        os._exit(1)
+
+
+def _call(deliver: Deliver, request_id: str, message: Any) -> None:
+    try:
+        deliver(message)
+    except Exception:  # one request's failure must not stop the inbox for all the others
+        log.exception("failed to apply a message for request %s", request_id)

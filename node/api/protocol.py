@@ -1,0 +1,138 @@
+"""OpenAI-compatible request bodies (pydantic), with vLLM's extra sampling fields.
+
+These models are the HTTP border: types, ranges and finiteness are checked here, so that
+everything behind them can trust its input. Unknown fields are ignored, as OpenAI clients
+send fields of newer API versions; fields that would change the answer but are not supported
+are refused by name (see ``unsupported_fields``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from pagedllm.ipc.codec import INT64_MAX, INT64_MIN
+
+INT32_MAX = 2**31 - 1
+MAX_SAMPLES = 128
+MAX_LOGPROBS = 20
+
+
+
+def _encodable(text: str) -> str:
+    # JSON may carry unpaired surrogates ("\ud800"), which no tokenizer or encoder accepts.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no unpaired surrogates)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    model: Text | None = None
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)
+    best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
+    temperature: FiniteFloat | None = Field(None, ge=0.0)
+    top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: FiniteFloat | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: FiniteFloat | None = Field(None, gt=0.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+    logit_bias: dict[str, float] | None = None
+
+    # Fields this server does not implement, refused when set rather than silently ignored.
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("logit_bias",)
+
+    def unsupported_fields(self) -> list[str]:
+        return [name for name in self.UNSUPPORTED if getattr(self, name, None)]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    max_tokens: Count | None = 16
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: Text | None = None
+
+    UNSUPPORTED = ("logit_bias", "suffix")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    response_format: Any = None
+
+    UNSUPPORTED = ("logit_bias", "tools", "functions", "response_format")
+
+
+class TokenizeCompletionRequest(_Body):
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Body):
+    model: Text | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+def error_body(message: str, kind: str, code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape. Text quoted from the request is made encodable first, so that
+    no input can break the error answer itself."""
+    return {"error": {"message": _printable(message), "type": kind,
+                      "param": None if param is None else _printable(param), "code": code}}
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "replace").decode("utf-8")

@@ -1,0 +1,176 @@
+"""What the OpenAI endpoints share: errors, the serving context, sampling settings, SSE."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.api.engine_client import EngineClient, NodeState
+from pagedllm.api.generation import GenerationError, Prompt
+from pagedllm.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    error_body,
+)
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.serve.metrics import RequestMetrics
+
+# JSON has no -inf; OpenAI clients expect a number (vLLM's choice).
+MIN_LOGPROB = -9999.0
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.kind, self.code, self.param)
+
+
+def from_generation_error(error: GenerationError) -> ApiError:
+    if error.status == 503:
+        return ApiError(503, error.message, "service_unavailable_error", error.code,
+                        headers={"Retry-After": "1"})
+    kind = "invalid_request_error" if error.status < 500 else "server_error"
+    return ApiError(error.status, error.message, kind, error.code)
+
+
+@dataclass
+class ServingContext:
+    client: EngineClient
+    tokenizer: Any
+    model_names: list[str]
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    metrics: RequestMetrics
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves "
+                           f"{', '.join(self.model_names)}", "not_found_error",
+                           "model_not_found", "model")
+
+    def check_admitting(self) -> None:
+        state = self.client.state
+        if state == NodeState.READY:
+            return
+        reason = {
+            NodeState.STARTING: "the server is starting",
+            NodeState.DRAINING: "the server is shutting down",
+            NodeState.FAILED: f"the serving node failed ({self.client.failure})",
+        }[state]
+        raise ApiError(503, f"{reason}; retry the request", "service_unavailable_error",
+                       state.value, headers={"Retry-After": "1"})
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise ApiError(400, f"{param} contains token ids outside the vocabulary "
+                           f"[0, {self.vocab_size}): {bad[:5]}", param=param)
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions",
+                           param="messages")
+        conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as error:  # the template's own raise_exception and jinja errors
+            raise ApiError(400, f"the chat template rejected the messages: {error}",
+                           param="messages") from None
+
+
+def _message_text(message: ChatMessage) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "\n".join(part.text for part in message.content)
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def clamp_logprob(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                    logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    unsupported = body.unsupported_fields()
+    if unsupported:
+        raise ApiError(400, f"{', '.join(unsupported)} is not supported by this server",
+                       param=unsupported[0])
+    if body.stream and body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, "best_of must equal n when streaming", param="best_of")
+    try:
+        return SamplingParams(
+            n=body.n,
+            best_of=body.best_of,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            stop=body.stop,
+            stop_token_ids=list(body.stop_token_ids or []),
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            ignore_eos=body.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+    except ValueError as error:
+        # SamplingParams names the offending field first ("top_p must be in (0, 1], got 0").
+        raise ApiError(400, str(error), param=str(error).split(" ", 1)[0]) from None
+
+
+def check_lengths(ctx: ServingContext, prompts: list[Prompt], max_tokens: int | None) -> None:
+    for prompt in prompts:
+        n = len(prompt.token_ids)
+        if n >= ctx.max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {ctx.max_model_len} tokens, but the "
+                f"prompt has {n} tokens, which leaves no room for a completion",
+                code="context_length_exceeded", param="prompt",
+            )
+        if max_tokens is not None and n + max_tokens > ctx.max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {ctx.max_model_len} tokens. However, "
+                f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the "
+                "completion). Reduce the length of the prompt or the completion.",
+                code="context_length_exceeded", param="max_tokens",
+            )

@@ -1,0 +1,184 @@
+"""POST /v1/completions: text or token-id prompts (one or several), JSON or SSE out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.api.generation import Generation, GenerationError, Prompt, Step
+from pagedllm.api.protocol import CompletionRequest
+from pagedllm.api.serving import (
+    MIN_LOGPROB,
+    SSE_DONE,
+    ApiError,
+    ServingContext,
+    check_lengths,
+    clamp_logprob,
+    from_generation_error,
+    random_id,
+    sampling_params,
+    sse,
+)
+from pagedllm.outputs import CompletionOutput
+
+
+def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prompt]:
+    raw = body.prompt
+    items: list[str | list[int]]
+    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+        items = [raw]  # type: ignore[list-item]
+    else:
+        items = list(raw)  # type: ignore[arg-type]
+    if not items:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            prompts.append(Prompt(item, ctx.tokenizer.encode(item)))
+        else:
+            if not item:
+                raise ApiError(400, "a token-id prompt must not be empty", param="prompt")
+            ctx.check_token_ids(item, "prompt")
+            prompts.append(Prompt(None, list(item)))
+    return prompts
+
+
+@dataclass
+class CompletionRun:
+    """Everything needed to render one completions request's answer."""
+
+    ctx: ServingContext
+    body: CompletionRequest
+    generation: Generation
+    response_id: str
+    created: int
+
+    def prompt_text(self, index: int) -> str:
+        prompt = self.generation.prompts[index]
+        if prompt.text is None:
+            prompt.text = self.ctx.tokenizer.decode(prompt.token_ids)
+        return prompt.text
+
+    def logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None],
+                 offset: int) -> dict[str, Any]:
+        decode = self.ctx.tokenizer.decode
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token, entry in zip(token_ids, entries, strict=True):
+            text = decode([token])
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if entry is None:  # the first prompt token has no logprob
+                token_logprobs.append(None)
+                tops.append(None)
+                continue
+            token_logprobs.append(clamp_logprob(entry.get(token, MIN_LOGPROB)))
+            tops.append({decode([t]): clamp_logprob(lp) for t, lp in entry.items()})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p.token_ids) for p in self.generation.prompts)
+        completion = sum(len(o.token_ids) for out in self.generation.outputs()
+                         for o in out.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        n = self.body.n
+        for i, out in enumerate(self.generation.outputs()):
+            for o in out.outputs:
+                choices.append(self._choice(i * n + o.index, i, o, out.prompt_logprobs))
+        return {"id": self.response_id, "object": "text_completion", "created": self.created,
+                "model": self.ctx.model_name, "choices": choices, "usage": self.usage()}
+
+    def _choice(self, index: int, prompt_index: int, o: CompletionOutput,
+                prompt_logprobs: list[dict[int, float] | None] | None) -> dict[str, Any]:
+        text, logprobs = o.text, None
+        prefix = self.prompt_text(prompt_index) if self.body.echo else ""
+        if self.body.logprobs is not None:
+            ids, entries = self._with_prompt(prompt_index, list(o.token_ids),
+                                             list(o.logprobs or []), prompt_logprobs)
+            logprobs = self.logprobs(ids, entries, 0)
+        return {"index": index, "text": prefix + text, "logprobs": logprobs,
+                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+
+    def _with_prompt(self, prompt_index: int, ids: list[int],
+                     entries: list[dict[int, float] | None],
+                     prompt_logprobs: list[dict[int, float] | None] | None,
+                     ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """With echo, the prompt's tokens (the first without a logprob) lead the output's."""
+        if not self.body.echo:
+            return ids, entries
+        prompt_ids = self.generation.prompts[prompt_index].token_ids
+        prompt_entries = list(prompt_logprobs or [None] * len(prompt_ids))
+        return prompt_ids + ids, prompt_entries + entries
+
+    async def stream(self, first: Step) -> AsyncIterator[bytes]:
+        n = self.body.n
+        started: set[int] = set()
+        finished: set[int] = set()
+        offsets: dict[int, int] = {}  # text offset of each choice's next token
+        event: Step | None = first
+        try:
+            while event is not None:
+                prompt_index, deltas = event
+                for d in deltas:
+                    index = prompt_index * n + d.index
+                    text, ids, entries = d.text, d.token_ids, list(d.logprobs or [])
+                    if index not in started:
+                        started.add(index)
+                        if self.body.echo:
+                            text = self.prompt_text(prompt_index) + text
+                            state = self.generation.requests[prompt_index].state
+                            ids, entries = self._with_prompt(prompt_index, ids, entries,
+                                                             state.prompt_logprobs)
+                    logprobs = None
+                    if self.body.logprobs is not None and entries:
+                        offset = offsets.get(index, 0)
+                        logprobs = self.logprobs(ids, entries, offset)
+                        offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
+                    if not text and d.finish_reason is None and logprobs is None:
+                        continue
+                    if d.finish_reason is not None:
+                        finished.add(index)
+                    yield sse(self._chunk([{
+                        "index": index, "text": text, "logprobs": logprobs,
+                        "finish_reason": d.finish_reason, "stop_reason": d.stop_reason,
+                    }]))
+                event = await self.generation.next()
+            for i, out in enumerate(self.generation.outputs()):
+                for o in out.outputs:
+                    if i * n + o.index not in finished:
+                        yield sse(self._chunk([{
+                            "index": i * n + o.index, "text": "", "logprobs": None,
+                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                        }]))
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                yield sse(self._chunk([], usage=self.usage()))
+        except GenerationError as error:
+            yield sse(from_generation_error(error).body())
+        yield SSE_DONE
+
+    def _chunk(self, choices: list[dict[str, Any]],
+               usage: dict[str, int] | None = None) -> dict[str, Any]:
+        return {"id": self.response_id, "object": "text_completion", "created": self.created,
+                "model": self.ctx.model_name, "choices": choices, "usage": usage}
+
+
+def prepare_completion(ctx: ServingContext, body: CompletionRequest) -> CompletionRun:
+    ctx.check_model(body.model)
+    prompts = completion_prompts(ctx, body)
+    check_lengths(ctx, prompts, body.max_tokens)
+    logprobs = body.logprobs
+    params = sampling_params(body, body.max_tokens, logprobs,
+                             logprobs if body.echo and logprobs is not None else None)
+    ctx.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
+    ctx.check_admitting()
+    response_id = random_id("cmpl")
+    generation = Generation(ctx.client, ctx.metrics, ctx.tokenizer, response_id, prompts,
+                            params, streaming=body.stream)
+    return CompletionRun(ctx, body, generation, response_id, int(time.time()))

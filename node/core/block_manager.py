@@ -1,0 +1,161 @@
+"""Block tables for sequences: allocation on demand, prefix caching, fork and copy-on-write."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedllm.core.block_pool import BlockPool
+from pagedllm.core.sequence import Sequence
+
+
+def root_hash(seed: int) -> bytes:
+    return hashlib.blake2b(f"pagedllm-prefix-root:{seed}".encode(), digest_size=16).digest()
+
+
+def block_hash(parent: bytes, token_ids: list[int], extra_keys: bytes = b"") -> bytes:
+    """Identity of a full block: its parent's hash, its tokens and any extra keys."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(extra_keys)
+    return h.digest()
+
+
+@dataclass
+class PrefixHit:
+    block_ids: list[int]
+    num_tokens: int
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, seed: int = 0
+    ) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._root = root_hash(seed)
+        # (src, dst) copies the workers must make before the next forward pass.
+        self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (cached free blocks count as free)."""
+        return self.pool.num_used / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _full_block_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of the sequence's full blocks, extended as tokens arrive."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), seq.num_tokens // bs):
+            parent = hashes[-1] if hashes else self._root
+            hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def find_prefix(self, seq: Sequence) -> PrefixHit:
+        """The longest run of the sequence's leading full blocks already in the cache."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return PrefixHit([], 0)
+        hit: list[int] = []
+        for h in self._full_block_hashes(seq):
+            block_id = self.pool.cached_block(h)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return PrefixHit(hit, len(hit) * self.block_size)
+
+    def _layout(self, seq: Sequence, hit: PrefixHit | None) -> tuple[list[int], int, int]:
+        """(block table, computed tokens, tokens with K/V) the sequence would start from."""
+        if hit is not None and hit.block_ids:
+            # Keep at least one token to compute, for the logits of the next token.
+            return hit.block_ids, min(hit.num_tokens, seq.num_tokens - 1), hit.num_tokens
+        return seq.block_ids, seq.num_computed_tokens, seq.num_kv_tokens
+
+    def _copy_target(self, table: list[int], computed: int, kv_tokens: int) -> int | None:
+        """Index of a shared block the next write lands in (it must be copied first)."""
+        index = max(computed, kv_tokens) // self.block_size
+        if index < len(table) and self.pool.blocks[table[index]].ref_count > 1:
+            return index
+        return None
+
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> bool:
+        table, computed, kv_tokens = self._layout(seq, hit)
+        end = max(computed + num_new_tokens, kv_tokens)
+        take = max(0, self.blocks_needed(end) - len(table))
+        if hit is not None:
+            take += sum(1 for b in hit.block_ids if self.pool.is_free(b))
+        take += self._copy_target(table, computed, kv_tokens) is not None
+        return take <= self.pool.num_free
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Give ``seq`` the blocks to compute ``num_new_tokens`` more tokens.
+
+        ``hit`` is given when a waiting sequence (holding no blocks) is admitted: its blocks
+        are shared and the sequence starts computing after them. Returns False and changes
+        nothing when the free blocks do not suffice.
+        """
+        if not self.can_allocate(seq, num_new_tokens, hit):
+            return False
+        if hit is not None:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += hit.num_tokens
+            for block_id in hit.block_ids:
+                self.pool.acquire(block_id)
+            seq.block_ids, seq.num_computed_tokens, seq.num_kv_tokens = self._layout(seq, hit)
+            seq.block_ids = list(seq.block_ids)
+            seq.num_registered_blocks = len(hit.block_ids)
+        index = self._copy_target(seq.block_ids, seq.num_computed_tokens, seq.num_kv_tokens)
+        if index is not None:
+            old = seq.block_ids[index]
+            new = self.pool.allocate()
+            self.pending_copies.append((old, new))
+            self.pool.release(old)
+            seq.block_ids[index] = new
+            # The workers' copy of the table must be resent from the replaced entry on.
+            seq.worker_blocks = min(seq.worker_blocks, index)
+        end = max(seq.num_computed_tokens + num_new_tokens, seq.num_kv_tokens)
+        for _ in range(self.blocks_needed(end) - len(seq.block_ids)):
+            seq.block_ids.append(self.pool.allocate())
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares all of ``parent``'s blocks; a write to a shared one copies it."""
+        for block_id in parent.block_ids:
+            self.pool.acquire(block_id)
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes[: len(parent.block_ids)])
+        child.num_registered_blocks = parent.num_registered_blocks
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, tail first so the prefix is evicted last."""
+        for block_id in reversed(seq.block_ids):
+            self.pool.release(block_id)
+        seq.block_ids = []
+        seq.num_registered_blocks = 0
+        seq.num_kv_tokens = 0
+        seq.num_computed_tokens = 0
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Publish the hashes of blocks whose KV is now fully written."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_kv_tokens, seq.num_tokens) // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return
+        hashes = self._full_block_hashes(seq)
+        for i in range(seq.num_registered_blocks, num_full):
+            self.pool.register(seq.block_ids[i], hashes[i])
+        seq.num_registered_blocks = num_full
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies

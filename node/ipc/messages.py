@@ -1,0 +1,166 @@
+"""The messages the node's processes exchange over ZeroMQ, and their msgpack envelope.
+
+Every message is ``[tag, version, payload]``: the tag names one of the classes below, the
+version is that class's schema version (bumped whenever its fields change), and the payload is
+the class's wire form (see ``wire_codec``). A message with an unknown tag, another version or a
+payload that does not fit raises ``WireError``; receivers log and drop it.
+
+Who sends what:
+- API server -> scheduler: AddRequest, AbortRequest, StopSequence
+- scheduler -> API server: RequestOutputs, RequestRejected
+- scheduler -> workers: StepPlan; worker rank 0 -> scheduler: WorkerReady, StepResult
+- every process -> supervisor: ProcessReady; API server -> supervisor: ApiServerIdle
+- supervisor -> API servers: NodeReady, Drain, NodeFailed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from pagedllm.core.request_delta import RequestDelta
+from pagedllm.core.step_plan import StepPlan, StepResult
+from pagedllm.ipc.codec import WireError, decoder, encoder
+from pagedllm.ipc.step_codec import decode_plan, decode_result, encode_plan, encode_result
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    # Which API server gets the outputs.
+    client_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.monotonic(), which all processes of a machine share
+    # Only the first token and the end are wanted; the steps between arrive merged with the end.
+    final_only: bool = False
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class StopSequence:
+    """A stop string ended sequence ``index`` of a request (found while detokenizing)."""
+
+    request_id: str
+    index: int
+    stop: str
+
+
+@dataclass
+class RequestOutputs:
+    deltas: list[RequestDelta]
+
+
+@dataclass
+class RequestRejected:
+    """The scheduler refused a request before queueing it; ``status`` is the HTTP status."""
+
+    request_id: str
+    status: int
+    message: str
+
+
+@dataclass
+class WorkerReady:
+    rank: int
+    num_blocks: int
+    max_model_len: int
+
+
+@dataclass
+class ProcessReady:
+    kind: str
+    index: int
+
+
+@dataclass
+class ApiServerIdle:
+    """A draining API server has no request in flight any more."""
+
+    index: int
+
+
+@dataclass
+class NodeReady:
+    pass
+
+
+@dataclass
+class Drain:
+    pass
+
+
+@dataclass
+class NodeFailed:
+    reason: str
+
+
+Message = (
+    AddRequest | AbortRequest | StopSequence | RequestOutputs | RequestRejected | WorkerReady
+    | ProcessReady | ApiServerIdle | NodeReady | Drain | NodeFailed | StepPlan | StepResult
+)
+
+
+@dataclass(frozen=True)
+class Schema:
+    tag: str
+    cls: type
+    version: int
+    encode: Callable[[Any], Any]
+    decode: Callable[[Any], Any]
+
+
+def _typed(tag: str, cls: type, version: int) -> Schema:
+    return Schema(tag, cls, version, encoder(cls), decoder(cls))
+
+
+SCHEMAS: dict[str, Schema] = {
+    s.tag: s
+    for s in (
+        _typed("add_request", AddRequest, 2),
+        _typed("abort_request", AbortRequest, 1),
+        _typed("stop_sequence", StopSequence, 1),
+        _typed("request_outputs", RequestOutputs, 2),
+        _typed("request_rejected", RequestRejected, 1),
+        _typed("worker_ready", WorkerReady, 1),
+        _typed("process_ready", ProcessReady, 1),
+        _typed("api_server_idle", ApiServerIdle, 1),
+        _typed("node_ready", NodeReady, 1),
+        _typed("drain", Drain, 1),
+        _typed("node_failed", NodeFailed, 1),
+        # The per-step pair travels column-wise (see step_wire).
+        Schema("step_plan", StepPlan, 1, encode_plan, decode_plan),
+        Schema("step_result", StepResult, 1, encode_result, decode_result),
+    )
+}
+_BY_CLASS = {s.cls: s for s in SCHEMAS.values()}
+
+
+def encode(message: Message) -> bytes:
+    schema = _BY_CLASS[type(message)]
+    return msgpack.packb([schema.tag, schema.version, schema.encode(message)], use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    """The message in ``data``; ``WireError`` when it is not one of ours."""
+    try:
+        envelope: Any = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as error:  # msgpack raises several unrelated types on bad input
+        raise WireError(f"not msgpack: {error}") from None
+    if not (isinstance(envelope, list) and len(envelope) == 3 and isinstance(envelope[0], str)):
+        raise WireError("expected [tag, version, payload]")
+    tag, version, payload = envelope
+    schema = SCHEMAS.get(tag)
+    if schema is None:
+        raise WireError(f"unknown message type {tag!r}")
+    if version != schema.version:
+        raise WireError(f"{tag} schema version {version!r}, this node speaks {schema.version}")
+    return schema.decode(payload)

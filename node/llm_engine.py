@@ -1,0 +1,131 @@
+"""The engine in one process: scheduler, model runner and output processing in a loop."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from pagedllm.models.loader import load_tokenizer
+from pagedllm.output.processor import RequestOutputState
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner
+
+
+def resolve_model_dir(model: str | None) -> str:
+    if model is not None:
+        return model
+    from pagedllm.models.demo import demo_model_dir
+
+    return str(demo_model_dir())
+
+
+def scheduler_config(config: EngineConfig, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+    return SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=config.enable_prefix_caching,
+        seed=config.seed,
+    )
+
+
+@dataclass
+class StepTiming:
+    """Where one step's time went, for the engine statistics."""
+
+    schedule_s: float
+    execute_s: float
+    num_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.tensor_parallel_size != 1:
+            raise ValueError(
+                "the in-process engine runs one rank; use `pagedllm serve "
+                "--tensor-parallel-size N` for tensor parallelism"
+            )
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.runner = ModelRunner(config, self.model_dir)
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_ids = tuple(self.runner.model_config.eos_token_ids)
+        self.scheduler = Scheduler(
+            scheduler_config(config, self.runner.num_blocks, self.max_model_len)
+        )
+        self._states: dict[str, RequestOutputState] = {}
+        self._ids = itertools.count()
+        self.last_step: StepTiming | None = None
+
+    def tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            vocab = self.runner.model_config.vocab_size
+            if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(
+                    f"prompt_token_ids must be a non-empty list of ids in [0, {vocab})"
+                )
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.tokenize(prompt["prompt"])
+        raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {prompt!r}")
+
+    def add_request(
+        self,
+        prompt: str | dict[str, Any],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        text, ids = self.tokenize(prompt)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        self._states[request_id] = RequestOutputState(
+            request_id, text, ids, params, self.tokenizer, arrival
+        )
+        self.scheduler.add_request(request_id, ids, params, self.eos_token_ids, arrival)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states) or self.scheduler.has_work()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model, and report every request that moved."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        result = self.runner.execute(plan)
+        t2 = time.perf_counter()
+        self.last_step = StepTiming(t1 - t0, t2 - t1, plan.num_tokens)
+        outputs: list[RequestOutput] = []
+        for delta in self.scheduler.update(plan, result):
+            state = self._states.get(delta.request_id)
+            if state is None:
+                continue
+            _, stopped = state.update(delta)
+            for index in stopped:
+                seq = state.seqs[index]
+                final = self.scheduler.stop_sequence(delta.request_id, index, str(seq.stop_reason))
+                if final is not None:
+                    state.update(final)
+            outputs.append(state.output())
+            if state.finished:
+                del self._states[delta.request_id]
+        return outputs

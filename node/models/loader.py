@@ -1,0 +1,219 @@
+"""Build a model from a Hugging Face directory: config, safetensors weights, tokenizer.
+
+Each tensor-parallel rank reads only its slices of the sharded tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+
+from pagedllm.kernels import kernel_ops
+from pagedllm.models import MODEL_CLASSES, cpu_linear
+from pagedllm.models.config import ModelConfig, ModelLoadError, read_model_config
+from pagedllm.models.layers import PackableLinear, RotaryEmbedding
+from pagedllm.models.llama import CausalLM
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+DTYPE_CHOICES = ("auto", *DTYPES)
+INDEX_FILE = "model.safetensors.index.json"
+
+# Fused parameters and the checkpoint tensors stacked (along rows) into them.
+FUSED_SOURCES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+# Weights split along their input features (columns) across tensor-parallel ranks.
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype, float32 when it names none we serve."""
+    if dtype == "auto":
+        return DTYPES.get(config.torch_dtype or "", torch.float32)
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    ops: ModuleType | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> tuple[CausalLM, ModelConfig]:
+    """This rank's share of the model in ``model_dir``, weights loaded, in eval mode."""
+    config = read_model_config(model_dir)
+    config.check_tensor_parallel(tp_size)
+    if not 0 <= tp_rank < tp_size:
+        raise ModelLoadError(f"tensor-parallel rank {tp_rank} is outside 0..{tp_size - 1}")
+    torch_dtype = resolve_dtype(dtype, config)
+    device = torch.device(device)
+    ops = ops if ops is not None else kernel_ops("auto", device)
+    model_class = MODEL_CLASSES[config.architecture]
+    # Built on `meta` so that no memory is spent on random initialization.
+    with torch.device("meta"), _default_dtype(torch_dtype):
+        model = model_class(config, ops, tp_rank, tp_size)
+    model.to_empty(device=device)
+    with _Checkpoint(config.model_dir) as checkpoint, torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(_read_param(checkpoint, config, name, param, tp_rank, tp_size))
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_parameters()
+    model.requires_grad_(False)
+    if cpu_linear.available(device, torch_dtype):
+        for module in model.modules():
+            if isinstance(module, PackableLinear):
+                module.pack_weight()
+    return model.eval(), config
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    # Imported here so that worker processes, which never tokenize, start without it.
+    from transformers import AutoTokenizer
+
+    directory = Path(model_dir).expanduser()
+    if not directory.is_dir():
+        raise ModelLoadError(f"model directory {directory} does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, TypeError) as error:
+        raise ModelLoadError(f"cannot load a tokenizer from {directory}: {error}") from error
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One checkpoint tensor feeding a parameter, and how ranks split it."""
+
+    name: str
+    shape: tuple[int, ...]  # the whole tensor's, as the config implies
+    shard_dim: int | None
+
+
+def _sources(
+    config: ModelConfig, param_name: str, param: torch.Tensor, tp_size: int
+) -> list[_Source]:
+    module_name, _, kind = param_name.rpartition(".")
+    parent, _, leaf = module_name.rpartition(".")
+    if leaf in FUSED_SOURCES:
+        if leaf == "qkv_proj":
+            q_size = config.num_attention_heads * config.head_dim
+            kv_size = config.num_key_value_heads * config.head_dim
+            rows = (q_size, kv_size, kv_size)
+        else:
+            rows = (config.intermediate_size,) * 2
+        return [
+            _Source(f"{parent}.{source}.{kind}", (size, *param.shape[1:]), shard_dim=0)
+            for source, size in zip(FUSED_SOURCES[leaf], rows, strict=True)
+        ]
+    if leaf in ROW_PARALLEL and kind == "weight":
+        shape = (param.shape[0], param.shape[1] * tp_size)
+        return [_Source(param_name, shape, shard_dim=1)]
+    return [_Source(param_name, tuple(param.shape), shard_dim=None)]
+
+
+def _read_param(
+    checkpoint: _Checkpoint,
+    config: ModelConfig,
+    name: str,
+    param: torch.Tensor,
+    tp_rank: int,
+    tp_size: int,
+) -> torch.Tensor:
+    parts = []
+    for source in _sources(config, name, param, tp_size):
+        tensor = checkpoint.slice(source.name)
+        shape = tuple(tensor.get_shape())
+        if shape != source.shape:
+            raise ModelLoadError(
+                f"tensor {source.name} in {checkpoint.file_of(source.name)} has shape "
+                f"{list(shape)}, the config implies {list(source.shape)}"
+            )
+        if source.shard_dim is None:
+            parts.append(tensor[:])
+            continue
+        size = shape[source.shard_dim] // tp_size
+        rank_slice = slice(tp_rank * size, (tp_rank + 1) * size)
+        parts.append(tensor[rank_slice] if source.shard_dim == 0 else tensor[:, rank_slice])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+class _Checkpoint:
+    """The safetensors files of a model directory, opened for reading by tensor name."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self.file_by_tensor = _tensor_files(model_dir)
+        self._stack = ExitStack()
+        self._handles: dict[Path, Any] = {}
+
+    def __enter__(self) -> _Checkpoint:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.close()
+
+    def file_of(self, name: str) -> Path:
+        return self.file_by_tensor[name]
+
+    def slice(self, name: str) -> Any:
+        """A lazily read view of tensor ``name`` (``get_shape()``, indexing)."""
+        if name not in self.file_by_tensor:
+            raise ModelLoadError(f"tensor {name} is missing from the weights in {self.model_dir}")
+        path = self.file_by_tensor[name]
+        if path not in self._handles:
+            self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+        return self._handles[path].get_slice(name)
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ModelLoadError(f"cannot read the weight map of {index_path}: {error}") from error
+        files = {name: model_dir / file for name, file in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                raise ModelLoadError(f"weight file {path} listed in {index_path} is missing")
+        return files
+    paths = sorted(model_dir.glob("*.safetensors"))
+    if not paths:
+        raise ModelLoadError(f"no *.safetensors weight files in {model_dir}")
+    files = {}
+    for path in paths:
+        try:
+            with safe_open(path, framework="pt") as handle:
+                files.update(dict.fromkeys(handle.keys(), path))
+        except Exception as error:  # safetensors raises its own, undocumented error types
+            raise ModelLoadError(f"cannot read weight file {path}: {error}") from error
+    return files

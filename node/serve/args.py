@@ -1,0 +1,217 @@
+"""`pagedllm serve` flags (vLLM's names and meanings where vLLM has the flag), checked once.
+
+Everything that can be known before starting a process is checked here, so that a wrong flag
+or model directory stops the command at once with a message instead of a dying child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+
+from pagedllm.config import DTYPES, EngineConfig
+from pagedllm.kernels import BACKENDS
+
+API_KEY_ENV = "PAGEDLLM_API_KEY"
+DEMO_MODEL_NAME = "pagedllm-demo"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# 0: the front processes keep the workers' priority (see --api-server-nice).
+DEFAULT_API_SERVER_NICE = 0
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+@dataclass
+class ServeArgs:
+    engine: EngineConfig
+    model_dir: str
+    model_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    host: str
+    port: int
+    api_key: str | None
+    max_waiting: int | None
+    shutdown_timeout: float
+    api_server_count: int
+    api_server_nice: int
+    async_scheduling: bool
+    log_level: str
+
+
+def _integer(text: str, expected: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _integer(text, "a positive integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def niceness(text: str) -> int:
+    value = _integer(text, "an integer")
+    if not 0 <= value <= 19:
+        raise argparse.ArgumentTypeError(f"a niceness is between 0 and 19, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = non_negative_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """Bytes: ``33554432``, ``32MiB``, ``32M`` or ``1GiB`` (K/M/G/T are powers of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes such as 33554432, 32MiB or 1GiB, got {text!r}"
+        )
+    number, unit = int(match.group(1)), match.group(2).lower()
+    value = number * 1024 ** " kmgt".index(unit or " ")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"the size must be positive, got {text!r}")
+    return value
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser
+    p.add_argument("--model", default=None,
+                   help="local Hugging Face model directory (default: the built-in demo model)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients use in `model` (the first appears in responses and "
+                        f"metrics; default: the --model value, or {DEMO_MODEL_NAME})")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require `Authorization: Bearer KEY` on the API (default: "
+                        f"${API_KEY_ENV} if set, else no key)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--block-size", type=positive_int, default=16,
+                   help="tokens per KV-cache block")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                   help="share of accelerator memory for weights, activations and KV cache")
+    p.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="BYTES",
+                   help="KV-cache size per rank, e.g. 32MiB (overrides "
+                        "--gpu-memory-utilization)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                   help="token budget of one step")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256,
+                   help="most sequences in the running batch")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="longest prompt + completion (default: the model's)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                   help="worker processes the model is sharded over")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV cache of identical prompt prefixes")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prefix-cache hash")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--kernel-backend", choices=BACKENDS, default="auto",
+                   help="attention kernels: Triton on CUDA, the C++ CPU kernels elsewhere "
+                        "(auto), or the pure-torch reference")
+    p.add_argument("--max-waiting", type=positive_int, default=None,
+                   help="answer 503 (Retry-After) while this many requests wait (default: "
+                        "no limit)")
+    p.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
+                   metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may run before exit")
+    p.add_argument("--api-server-count", type=positive_int, default=1,
+                   help="HTTP front processes sharing the port")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="send each step's plan before the previous step's samples are back, "
+                        "so the worker never waits for the scheduler (one worker only)")
+    p.add_argument("--api-server-nice", type=niceness, default=DEFAULT_API_SERVER_NICE,
+                   metavar="0-19",
+                   help="CPU niceness of the HTTP front processes: above 0 their work (HTTP, "
+                        "detokenization) waits for the gaps between the workers' compute "
+                        "instead of stalling it, at the cost of slower admission under load")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+
+
+def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeArgs:
+    """The checked settings, or ``parser.error`` (exit 2) with what is wrong."""
+    if ns.model is not None and not os.path.isdir(ns.model):
+        parser.error(f"--model {ns.model}: no such directory")
+    try:
+        engine = EngineConfig(
+            model=ns.model,
+            dtype=ns.dtype,
+            block_size=ns.block_size,
+            kv_cache_memory=ns.kv_cache_memory,
+            gpu_memory_utilization=ns.gpu_memory_utilization,
+            max_num_seqs=ns.max_num_seqs,
+            max_num_batched_tokens=ns.max_num_batched_tokens,
+            max_model_len=ns.max_model_len,
+            enable_prefix_caching=ns.enable_prefix_caching,
+            seed=ns.seed,
+            tensor_parallel_size=ns.tensor_parallel_size,
+            kernel_backend=ns.kernel_backend,
+            device=ns.device,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    # Reading the model pulls in torch: only once the cheap checks passed.
+    import torch
+
+    # This process only supervises, and forks the workers. What torch computes here (writing
+    # the demo model) stays on one thread, so that no OpenMP thread pool exists yet at the fork:
+    # a pool inherited through fork deadlocks the child's first parallel region.
+    torch.set_num_threads(1)
+    from pagedllm.llm_engine import resolve_model_dir
+    from pagedllm.models.config import ModelLoadError, read_model_config
+
+    try:
+        model_dir = os.path.abspath(resolve_model_dir(ns.model))
+        model = read_model_config(model_dir)
+        model.check_tensor_parallel(engine.tensor_parallel_size)
+    except ModelLoadError as error:
+        parser.error(str(error))
+    max_model_len = engine.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        parser.error(f"--max-model-len {max_model_len} exceeds the model's "
+                     f"max_position_embeddings ({model.max_position_embeddings})")
+    names = ns.served_model_name or [ns.model if ns.model is not None else DEMO_MODEL_NAME]
+    return ServeArgs(
+        engine=engine,
+        model_dir=model_dir,
+        model_names=list(names),
+        max_model_len=max_model_len,
+        vocab_size=model.vocab_size,
+        eos_token_ids=tuple(model.eos_token_ids),
+        host=ns.host,
+        port=ns.port,
+        # Stripped: a key mounted from a Secret file often ends in a newline.
+        api_key=(ns.api_key or os.environ.get(API_KEY_ENV) or "").strip() or None,
+        max_waiting=ns.max_waiting,
+        shutdown_timeout=ns.shutdown_timeout,
+        api_server_count=ns.api_server_count,
+        api_server_nice=ns.api_server_nice,
+        async_scheduling=ns.async_scheduling,
+        log_level=ns.log_level,
+    )

@@ -1,0 +1,145 @@
+"""Prometheus metrics with vLLM's names, so existing dashboards and autoscalers work.
+
+The node's processes share one prometheus multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``,
+set by the supervisor before it starts them): the scheduler writes the queue, cache and token
+figures, each API server the per-request latencies and outcomes, and whichever API server
+answers ``/metrics`` reads them all, so the figures are right however many API servers run.
+Figures of our own are named ``pagedllm:*``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import REGISTRY as DEFAULT_REGISTRY
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+    values,
+)
+
+from pagedllm.core.scheduler import SchedulerStats
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+LABEL = "model_name"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25,
+                0.5, 1.0, 2.5, 5.0)
+
+
+def use_multiprocess_dir(directory: str) -> None:
+    """Make this process and the children it starts from now on share ``directory``."""
+    os.makedirs(directory, exist_ok=True)
+    os.environ[MULTIPROC_ENV] = directory
+    # prometheus_client chose its value storage when it was imported; choose again.
+    values.ValueClass = values.get_value_class()
+
+
+def render() -> bytes:
+    """The exposition text of every process's metrics."""
+    if os.environ.get(MULTIPROC_ENV):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
+    return generate_latest(DEFAULT_REGISTRY)
+
+
+# Metrics are not registered anywhere: in multiprocess mode the files are what is collected.
+def _gauge(name: str, doc: str, model: str) -> Gauge:
+    return Gauge(name, doc, [LABEL], registry=None, multiprocess_mode="mostrecent").labels(model)
+
+
+def _counter(name: str, doc: str, model: str) -> Counter:
+    return Counter(name, doc, [LABEL], registry=None).labels(model)
+
+
+def _histogram(name: str, doc: str, model: str, buckets: tuple[float, ...]) -> Histogram:
+    return Histogram(name, doc, [LABEL], registry=None, buckets=buckets).labels(model)
+
+
+class SchedulerMetrics:
+    """The scheduler's view: queue depth, KV-cache use, prefix cache, token totals."""
+
+    def __init__(self, model: str) -> None:
+        self.running = _gauge("vllm:num_requests_running",
+                              "Requests being generated (in the running batch).", model)
+        self.waiting = _gauge("vllm:num_requests_waiting", "Requests waiting to run.", model)
+        self.kv_usage = _gauge("vllm:kv_cache_usage_perc",
+                               "Fraction of KV-cache blocks in use (1 = full).", model)
+        self.prefix_queries = _counter("vllm:prefix_cache_queries",
+                                       "Prompt tokens looked up in the prefix cache.", model)
+        self.prefix_hits = _counter("vllm:prefix_cache_hits",
+                                    "Prompt tokens found in the prefix cache.", model)
+        self.preemptions = _counter("vllm:num_preemptions",
+                                    "Sequences preempted for lack of KV-cache blocks.", model)
+        self.prompt_tokens = _counter("vllm:prompt_tokens", "Prompt tokens processed.", model)
+        self.generation_tokens = _counter("vllm:generation_tokens", "Tokens generated.", model)
+        self.num_blocks = _gauge("pagedllm:kv_cache_blocks",
+                                 "KV-cache blocks the node holds.", model)
+        self.step_duration = _histogram(
+            "pagedllm:step_duration_seconds",
+            "Model step as the scheduler sees it: plan sent to samples back.", model,
+            STEP_BUCKETS,
+        )
+        self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+
+    def set_capacity(self, num_blocks: int) -> None:
+        self.num_blocks.set(num_blocks)
+
+    def observe_step(self, seconds: float) -> None:
+        self.step_duration.observe(seconds)
+
+    def observe(self, stats: SchedulerStats) -> None:
+        last = self._last
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        for counter, now, before in (
+            (self.prefix_queries, stats.prefix_queries, last.prefix_queries),
+            (self.prefix_hits, stats.prefix_hits, last.prefix_hits),
+            (self.preemptions, stats.num_preemptions, last.num_preemptions),
+            (self.prompt_tokens, stats.prompt_tokens, last.prompt_tokens),
+            (self.generation_tokens, stats.generation_tokens, last.generation_tokens),
+        ):
+            if now > before:
+                counter.inc(now - before)
+        self._last = stats
+
+
+class RequestMetrics:
+    """An API server's view: what each request it answered experienced."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               [LABEL, "finished_reason"], registry=None)
+        self.rejected = Counter("pagedllm:requests_rejected",
+                                "Requests refused before generation, by reason.",
+                                [LABEL, "reason"], registry=None)
+        self.ttft = _histogram("vllm:time_to_first_token_seconds",
+                               "Time from arrival to the first generated token.", model,
+                               TTFT_BUCKETS)
+        self.itl = _histogram("vllm:inter_token_latency_seconds",
+                              "Time between successive output steps of a request.", model,
+                              ITL_BUCKETS)
+        self.e2e = _histogram("vllm:e2e_request_latency_seconds",
+                              "Time from arrival to the last token.", model, REQUEST_BUCKETS)
+        self.queue = _histogram("vllm:request_queue_time_seconds",
+                                "Time a request waited before it was first scheduled.", model,
+                                REQUEST_BUCKETS)
+
+    def finished(self, reason: str) -> None:
+        self.success.labels(self.model, reason).inc()
+
+    def rejected_for(self, reason: str) -> None:
+        self.rejected.labels(self.model, reason).inc()

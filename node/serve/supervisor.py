@@ -1,0 +1,234 @@
+"""`pagedllm serve`: start the node's processes, watch them, drain on SIGTERM.
+
+Start-up: the supervisor loads the tokenizer and the heavy libraries once (checking the model
+before anything starts), then forks the workers, the scheduler and the API servers, which
+inherit all of it instead of each importing torch and transformers again. It forks before it
+starts any thread (ZeroMQ's included), so the children begin clean; should CUDA already be
+initialized in the supervisor, the children are spawned instead. Each child reports ready
+on the supervisor's inbox; when all have, the API servers admit requests (until then /health
+answers 503).
+
+If any process dies, the node cannot go on (a missing rank stalls every step; a missing
+scheduler answers nothing): the API servers are told to fail their in-flight requests with a
+clear error, the rest is stopped, and the supervisor exits non-zero within seconds so that
+Kubernetes restarts the pod.
+
+SIGTERM (or Ctrl-C): the API servers stop admitting (/health turns 503, so the pod leaves the
+Service) and finish what is in flight, for at most --shutdown-timeout; then everything stops
+and the supervisor exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import zmq
+
+from pagedllm.api.server import ApiServerSpec, run_api_server
+from pagedllm.ipc import sockets
+from pagedllm.ipc.messages import ApiServerIdle, Drain, NodeFailed, NodeReady, ProcessReady
+from pagedllm.models.config import ModelLoadError
+from pagedllm.models.loader import load_tokenizer
+from pagedllm.serve.args import ServeArgs
+from pagedllm.serve.child_process import LOG_FORMAT
+from pagedllm.serve.metrics import use_multiprocess_dir
+from pagedllm.serve.scheduler_process import SchedulerSpec, run_scheduler
+from pagedllm.serve.worker_process import WorkerSpec, run_worker
+
+log = logging.getLogger(__name__)
+
+# After a failure: time the API servers get to answer their clients with the error.
+FAILURE_FLUSH_S = 0.5
+# Time a process gets to exit after SIGTERM before it is killed.
+STOP_GRACE_S = 2.0
+POLL_MS = 100
+
+
+@dataclass
+class Child:
+    kind: str
+    index: int
+    process: BaseProcess
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind.replace('_', ' ')} {self.index}"
+
+
+class NodeFailure(Exception):
+    pass
+
+
+class Supervisor:
+    def __init__(self, args: ServeArgs, tokenizer: Any) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        self.paths = sockets.make_ipc_dir()
+        use_multiprocess_dir(self.paths.metrics_dir)
+        self.children: list[Child] = []
+        self.signals = 0
+
+    # ----- lifecycle -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        try:
+            self._start_children()
+            self.ctx = zmq.Context()
+            self.inbox = sockets.pull(self.ctx, self.paths.control)
+            self.api_servers = [sockets.push(self.ctx, self.paths.api(i))
+                                for i in range(self.args.api_server_count)]
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+            if not self._wait_until_ready():
+                return 0
+            self._broadcast(NodeReady())
+            log.info("serving %s on http://%s:%d", self.args.model_names[0], self.args.host,
+                     self.args.port)
+            self._watch()
+            self._drain()
+            return 0
+        except NodeFailure as failure:
+            log.error("%s; stopping the node", failure)
+            self._broadcast(NodeFailed(str(failure)))
+            time.sleep(FAILURE_FLUSH_S)
+            return 1
+        finally:
+            self._stop_children()
+            if hasattr(self, "ctx"):
+                self.ctx.destroy(linger=0)
+            shutil.rmtree(self.paths.directory, ignore_errors=True)
+
+    def _on_signal(self, signum: int, _: Any) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            log.info("%s: draining (up to %ss)", signal.Signals(signum).name,
+                     self.args.shutdown_timeout)
+        else:
+            log.info("%s again: stopping now", signal.Signals(signum).name)
+
+    def _start_children(self) -> None:
+        args, paths, pid = self.args, self.paths, os.getpid()
+        plans: list[tuple[str, int, Any, Any]] = []
+        for rank in range(args.engine.tensor_parallel_size):
+            plans.append(("worker", rank, run_worker, WorkerSpec(
+                args.engine, args.model_dir, rank, paths, args.log_level, pid)))
+        plans.append(("scheduler", 0, run_scheduler, SchedulerSpec(
+            args.engine, args.eos_token_ids, paths, args.api_server_count, args.max_waiting,
+            args.model_names[0], args.log_level, pid, args.async_scheduling)))
+        for index in range(args.api_server_count):
+            plans.append(("api_server", index, run_api_server, ApiServerSpec(
+                index, paths, self.tokenizer, args.model_dir, args.model_names,
+                args.max_model_len, args.vocab_size, args.api_key, args.host, args.port,
+                args.log_level, pid, args.api_server_nice)))
+        context = multiprocessing.get_context(_start_method())
+        for kind, index, target, spec in plans:
+            process = context.Process(target=target, args=(spec,),
+                                      name=f"pagedllm-{kind}-{index}")
+            process.start()
+            self.children.append(Child(kind, index, process))
+
+    def _wait_until_ready(self) -> bool:
+        """True once every process reported ready; False if a signal came first."""
+        waiting = {(c.kind, c.index) for c in self.children}
+        while waiting:
+            if self.signals:
+                return False
+            for message in self._poll():
+                if isinstance(message, ProcessReady):
+                    waiting.discard((message.kind, message.index))
+        return True
+
+    def _watch(self) -> None:
+        while not self.signals:
+            self._poll()
+
+    def _drain(self) -> None:
+        self._broadcast(Drain())
+        busy = set(range(self.args.api_server_count))
+        deadline = time.monotonic() + self.args.shutdown_timeout
+        while busy and self.signals < 2:
+            if time.monotonic() >= deadline:
+                log.warning("shutdown timeout: %d API servers still had requests in flight",
+                            len(busy))
+                return
+            for message in self._poll():
+                if isinstance(message, ApiServerIdle):
+                    busy.discard(message.index)
+        log.info("drained")
+
+    # ----- watching ------------------------------------------------------------------------
+
+    def _poll(self) -> list[Any]:
+        """Messages that arrived within one poll interval; raises NodeFailure when a process
+        has died."""
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        for child in self.children:
+            poller.register(child.process.sentinel, zmq.POLLIN)
+        try:
+            poller.poll(POLL_MS)
+        except zmq.ZMQError:
+            pass  # interrupted by a signal
+        dead = [c for c in self.children if c.process.exitcode is not None]
+        if dead:
+            raise NodeFailure("; ".join(_death(c) for c in dead))
+        received = []
+        while True:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return received
+            message = sockets.parse(data, "supervisor")
+            if message is not None:
+                received.append(message)
+
+    def _broadcast(self, message: Any) -> None:
+        for sock in getattr(self, "api_servers", []):
+            sockets.send(sock, message)
+
+    def _stop_children(self) -> None:
+        """API servers first (they finish their responses), then the engine processes."""
+        for kinds in (("api_server",), ("scheduler", "worker")):
+            group = [c for c in self.children if c.kind in kinds and c.process.is_alive()]
+            for child in group:
+                child.process.terminate()
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in group:
+                child.process.join(max(0.0, deadline - time.monotonic()))
+                if child.process.is_alive():
+                    log.warning("%s did not stop; killing it", child.name)
+                    child.process.kill()
+                    child.process.join()
+
+
+def _start_method() -> str:
+    """Fork, unless CUDA is already initialized here (it does not survive a fork): then the
+    children start afresh and re-import everything."""
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
+def _death(child: Child) -> str:
+    code = child.process.exitcode or 0
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return f"{child.name} (pid {child.process.pid}) {how}"
+
+
+def serve(args: ServeArgs) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=LOG_FORMAT.format(name="supervisor"), stream=sys.stderr)
+    try:
+        tokenizer = load_tokenizer(args.model_dir)
+    except ModelLoadError as error:
+        log.error("%s", error)
+        return 2
+    return Supervisor(args, tokenizer).run()

@@ -1,0 +1,244 @@
+"""A worker's side of a step: apply the plan, run the model over the paged cache, sample."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.step_plan import (
+    LAST_SAMPLE,
+    NewSequence,
+    PromptLogprobs,
+    SeqSample,
+    StepPlan,
+    StepResult,
+)
+from pagedllm.kernels import kernel_ops
+from pagedllm.models.loader import load_model
+from pagedllm.worker import kv_cache
+from pagedllm.worker.attention_metadata import AttentionMetadata
+from pagedllm.worker.sampler import SampleRow, sample
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    """Holds one tensor-parallel rank's weights and KV cache and executes step plans."""
+
+    def __init__(
+        self, config: EngineConfig, model_dir: str, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        self.config = config
+        self.tp_rank = tp_rank
+        self.device = resolve_device(config.device)
+        self.ops = kernel_ops(config.kernel_backend, self.device)
+        self.model, self.model_config = load_model(
+            model_dir,
+            dtype=config.dtype,
+            device=self.device,
+            ops=self.ops,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.dtype = next(self.model.parameters()).dtype
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={mc.max_position_embeddings}"
+            )
+        self.num_kv_heads = mc.num_kv_heads_per_rank(tp_size)
+        self.block_size = config.block_size
+        self.num_blocks, memory = self._size_cache()
+        kv_cache.check_fits(self.num_blocks, self.block_size, self.max_model_len, memory)
+        self.kv_caches = kv_cache.allocate(
+            mc.num_hidden_layers, self.num_blocks, self.block_size, self.num_kv_heads,
+            mc.head_dim, self.dtype, self.device,
+        )
+        self.seqs: dict[int, NewSequence] = {}
+        # seq id -> the (first) token sampled for it in the last step that sampled it
+        self.last_samples: dict[int, int] = {}
+        log.info("KV cache: %d blocks of %d tokens (%d bytes)", self.num_blocks,
+                 self.block_size, memory)
+
+    def _block_bytes(self) -> int:
+        mc = self.model_config
+        return kv_cache.block_bytes(
+            mc.num_hidden_layers, self.block_size, self.num_kv_heads, mc.head_dim, self.dtype
+        )
+
+    def _size_cache(self) -> tuple[int, int]:
+        per_block = self._block_bytes()
+        if self.config.kv_cache_memory is not None:
+            memory = self.config.kv_cache_memory
+        elif self.device.type == "cuda":
+            memory = self._profile_cuda_free_memory()
+        else:
+            memory = kv_cache.default_cpu_kv_memory()
+        return memory // per_block, memory
+
+    def _profile_cuda_free_memory(self) -> int:
+        """Run a forward of the largest batch, then give what is left to the cache."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // self.block_size)
+        mc = self.model_config
+        scratch = kv_cache.allocate(mc.num_hidden_layers, blocks, self.block_size,
+                                    self.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        positions = torch.arange(tokens, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=positions.clone(),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
+            cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
+            seq_lens_k=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            max_seqlen_q=tokens,
+            max_seqlen_k=tokens,
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=self.device),
+                                positions, scratch, meta)
+            self.model.compute_logits(hidden[-min(tokens, self.config.max_num_seqs):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.gpu_memory_utilization) - peak
+        if budget <= 0:
+            raise ValueError(
+                f"no memory left for the KV cache: weights and activations take {peak} bytes "
+                f"of {total}; raise gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        return budget
+
+    # ----- executing a plan ----------------------------------------------------------------
+
+    def _apply(self, plan: StepPlan) -> None:
+        for seq_id in plan.finished:
+            self.seqs.pop(seq_id, None)
+            self.last_samples.pop(seq_id, None)
+        for new in plan.new:
+            # The worker's own copy: later plans only send what changes.
+            self.seqs[new.seq_id] = dataclasses.replace(
+                new, token_ids=list(new.token_ids), block_ids=list(new.block_ids)
+            )
+        for update in plan.running:
+            seq = self.seqs[update.seq_id]
+            seq.token_ids.extend(
+                self.last_samples[update.seq_id] if t == LAST_SAMPLE else t
+                for t in update.new_token_ids
+            )
+            del seq.block_ids[update.blocks_from :]
+            seq.block_ids.extend(update.block_ids)
+            seq.num_computed_tokens = update.num_computed_tokens
+        if plan.block_copies:
+            pairs = torch.tensor(plan.block_copies, dtype=torch.long, device=self.device)
+            self.ops.copy_blocks(self.kv_caches, pairs)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._apply(plan)
+        result = StepResult(step_id=plan.step_id)
+        if not plan.scheduled:
+            return result
+        bs = self.block_size
+        input_ids: list[np.ndarray] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        cu_seqlens = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []  # row in the batch whose logits are sampled
+        sampled: list[tuple[int, NewSequence]] = []
+        prompt_rows: list[tuple[int, NewSequence, int, int, int]] = []  # id, seq, row, pos, n
+        for seq_id, n in plan.scheduled:
+            seq = self.seqs[seq_id]
+            start = seq.num_computed_tokens
+            pos = np.arange(start, start + n)
+            table = np.asarray(seq.block_ids, dtype=np.int64)
+            slot = table[pos // bs] * bs + pos % bs
+            slot[pos < seq.num_kv_tokens] = -1
+            input_ids.append(np.asarray(seq.token_ids[start : start + n], dtype=np.int64))
+            positions.append(pos)
+            slots.append(slot)
+            row0 = cu_seqlens[-1]
+            cu_seqlens.append(row0 + n)
+            seq_lens.append(start + n)
+            tables.append(seq.block_ids)
+            if seq.sampling.prompt_logprobs is not None and start < seq.prompt_len - 1:
+                count = min(start + n, seq.prompt_len - 1) - start
+                prompt_rows.append((seq_id, seq, row0, start, count))
+            seq.num_computed_tokens = start + n
+            seq.num_kv_tokens = max(seq.num_kv_tokens, start + n)
+            if start + n == len(seq.token_ids):
+                sample_rows.append(row0 + n - 1)
+                sampled.append((seq_id, seq))
+        dev = self.device
+        max_blocks = max(len(t) for t in tables)
+        table_arr = np.zeros((len(tables), max_blocks), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table_arr[i, : len(t)] = t
+        q_lens = np.diff(cu_seqlens)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            block_tables=torch.from_numpy(table_arr).to(dev),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
+            seq_lens_k=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            max_seqlen_q=int(q_lens.max()),
+            max_seqlen_k=max(seq_lens),
+        )
+        hidden = self.model(
+            torch.from_numpy(np.concatenate(input_ids)).to(dev),
+            torch.from_numpy(np.concatenate(positions)).to(dev),
+            self.kv_caches,
+            meta,
+        )
+        if self.tp_rank != 0:
+            return result
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+            rows = [
+                SampleRow(seq.sampling, seq.token_ids[: seq.prompt_len],
+                          seq.token_ids[seq.prompt_len :], plan.num_samples.get(seq_id, 1))
+                for seq_id, seq in sampled
+            ]
+            for (seq_id, _), out in zip(sampled, sample(logits, rows), strict=True):
+                self.last_samples[seq_id] = out.token_ids[0]
+                result.samples.append(
+                    SeqSample(seq_id, out.token_ids, out.logprobs, out.top_logprobs)
+                )
+        for seq_id, seq, row0, start, count in prompt_rows:
+            logits = self.model.compute_logits(hidden[row0 : row0 + count])
+            result.prompt_logprobs.append(_prompt_logprobs(seq_id, seq, logits, start))
+        return result
+
+
+def _prompt_logprobs(
+    seq_id: int, seq: NewSequence, logits: torch.Tensor, start: int
+) -> PromptLogprobs:
+    """Log probabilities of the prompt tokens after positions ``start .. start + len - 1``."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    count = logits.shape[0]
+    targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + count], device=logits.device)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in range(count)]
+    k = seq.sampling.prompt_logprobs or 0
+    if k > 0:
+        top = torch.topk(logprobs, k)
+        tops = [
+            list(zip(ids, vals, strict=True))
+            for ids, vals in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        ]
+    return PromptLogprobs(seq_id, start + 1, chosen, tops)

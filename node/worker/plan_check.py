@@ -1,0 +1,59 @@
+"""A worker's check of a step plan against what it holds, before it touches any state.
+
+A plan that arrives well-formed but refers to sequences the worker does not have, blocks
+outside its cache or positions past a sequence's blocks would otherwise fail half-applied
+inside the model runner; the worker drops it instead, whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping
+
+from pagedllm.core.step_plan import LAST_SAMPLE, NewSequence, StepPlan
+
+
+def plan_problem(plan: StepPlan, seqs: Mapping[int, NewSequence], num_blocks: int,
+                 block_size: int, vocab_size: int,
+                 last_sampled: Container[int] = frozenset()) -> str | None:
+    """What makes ``plan`` impossible to execute on ``seqs``, or None. ``last_sampled`` holds
+    the sequences the worker has a sample of, which a ``LAST_SAMPLE`` token may stand for."""
+    # (tokens, blocks, computed) of every sequence as the plan leaves it
+    gone = set(plan.finished)
+    after: dict[int, tuple[int, int, int]] = {
+        i: (len(s.token_ids), len(s.block_ids), s.num_computed_tokens)
+        for i, s in seqs.items() if i not in gone
+    }
+    blocks: list[int] = [b for pair in plan.block_copies for b in pair]
+    tokens: list[int] = []
+    for new in plan.new:
+        after[new.seq_id] = (len(new.token_ids), len(new.block_ids), new.num_computed_tokens)
+        blocks += new.block_ids
+        tokens += new.token_ids
+    for update in plan.running:
+        if update.seq_id not in after:
+            return f"running update for unknown sequence {update.seq_id}"
+        num_tokens, num_blocks_held, _ = after[update.seq_id]
+        if not 0 <= update.blocks_from <= num_blocks_held:
+            return f"sequence {update.seq_id}: blocks_from {update.blocks_from} out of range"
+        after[update.seq_id] = (num_tokens + len(update.new_token_ids),
+                                update.blocks_from + len(update.block_ids),
+                                update.num_computed_tokens)
+        blocks += update.block_ids
+        if LAST_SAMPLE in update.new_token_ids:
+            if update.seq_id not in last_sampled or update.seq_id in gone:
+                return f"sequence {update.seq_id}: no sample of the worker's to stand in for"
+            tokens += [t for t in update.new_token_ids if t != LAST_SAMPLE]
+        else:
+            tokens += update.new_token_ids
+    if blocks and not 0 <= min(blocks) <= max(blocks) < num_blocks:
+        return f"block ids outside [0, {num_blocks})"
+    if tokens and not 0 <= min(tokens) <= max(tokens) < vocab_size:
+        return f"token ids outside [0, {vocab_size})"
+    for seq_id, n in plan.scheduled:
+        if seq_id not in after:
+            return f"scheduled unknown sequence {seq_id}"
+        num_tokens, num_blocks_held, computed = after[seq_id]
+        end = computed + n
+        if n < 1 or computed < 0 or end > num_tokens or end > num_blocks_held * block_size:
+            return f"sequence {seq_id}: cannot compute tokens {computed}..{end}"
+    return None

@@ -1,0 +1,144 @@
+"""Turning logits into tokens: penalties, min_tokens, temperature, top-k/p, min-p, beams.
+
+Seeded rows draw from a generator seeded by (seed, output position), so a seeded request
+gives the same tokens whatever else is in the batch and after a preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.core.step_plan import SamplingSpec
+
+_MASK64 = (1 << 64) - 1
+# Temperatures below this are greedy: dividing by them overflows float32 logits.
+SAMPLING_EPS = 1e-5
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def derive_seed(seed: int | None, index: int) -> int | None:
+    """Seed of the ``index``-th sequence of a request (index 0 keeps the request's seed)."""
+    if seed is None or index == 0:
+        return seed
+    return _splitmix64(seed ^ _splitmix64(index)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(_splitmix64(seed ^ _splitmix64(position + 1)) & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
+
+
+@dataclass
+class SampleRow:
+    spec: SamplingSpec
+    prompt_ids: list[int]
+    output_ids: list[int]
+    num_samples: int = 1
+
+
+@dataclass
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        s = row.spec
+        if s.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+            seen = seen[seen < vocab]
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(
+                vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty
+            )
+        if (s.frequency_penalty or s.presence_penalty) and row.output_ids:
+            counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long),
+                                    minlength=vocab)[:vocab].to(logits.dtype)
+            logits[i] -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0)
+        if len(row.output_ids) < s.min_tokens and s.min_tokens_blocked:
+            blocked = torch.tensor(s.min_tokens_blocked, dtype=torch.long)
+            logits[i, blocked[blocked < vocab]] = float("-inf")
+
+
+def _filter(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p applied to one row; returns probabilities."""
+    logits = logits / spec.temperature
+    if spec.top_k > 0 and spec.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, spec.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if spec.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= spec.top_p
+        drop[0] = False
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    if spec.min_p > 0.0:
+        probs = probs.masked_fill(probs < spec.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int(torch.argmax(probs / noise))
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
+    """Sample each row of ``logits`` ([len(rows), vocab], float32) by its spec."""
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    needs_processing = any(
+        r.spec.repetition_penalty != 1.0
+        or r.spec.frequency_penalty
+        or r.spec.presence_penalty
+        or len(r.output_ids) < r.spec.min_tokens
+        for r in rows
+    )
+    processed = logits.clone() if needs_processing else logits
+    if needs_processing:
+        _apply_penalties(processed, rows)
+    greedy_tokens = torch.argmax(processed, dim=-1).tolist()
+    results: list[Sampled] = []
+    for i, row in enumerate(rows):
+        spec = row.spec
+        if spec.beam_width > 0:
+            beam_logprobs = torch.log_softmax(processed[i], dim=-1)
+            top = torch.topk(beam_logprobs, min(2 * spec.beam_width, beam_logprobs.shape[-1]))
+            tokens = top.indices.tolist()
+            results.append(Sampled(tokens, top.values.tolist(), None))
+            continue
+        if spec.temperature < SAMPLING_EPS:
+            tokens = [greedy_tokens[i]] * row.num_samples
+        else:
+            probs = _filter(processed[i], spec)
+            tokens = []
+            for j in range(row.num_samples):
+                seed = derive_seed(spec.seed, j)
+                gen = (
+                    None
+                    if seed is None
+                    else _generator(seed, len(row.output_ids), processed.device)
+                )
+                tokens.append(_draw(probs, gen))
+        token_logprobs = [float(raw_logprobs[i, t]) for t in tokens]
+        top_lists = None
+        if spec.logprobs:
+            top = torch.topk(raw_logprobs[i], spec.logprobs)
+            pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            top_lists = [pairs] * len(tokens)
+        results.append(Sampled(tokens, token_logprobs, top_lists))
+    return results

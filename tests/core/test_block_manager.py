@@ -1,0 +1,189 @@
+"""Block accounting under random operation sequences, and the sharing it promises."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.sequence import Request, RequestTimes, Sequence, SequenceStatus
+from pagedllm.sampling_params import SamplingParams
+from tests.fake_worker import FakeWorker
+
+
+def live_block_tables(scheduler: Scheduler) -> list[list[int]]:
+    seqs = [s for s in scheduler.running] + [s for s in scheduler.waiting]
+    return [s.block_ids for s in seqs]
+
+
+def check_accounting(scheduler: Scheduler) -> None:
+    pool = scheduler.block_manager.pool
+    holders = Counter(b for table in live_block_tables(scheduler) for b in table)
+    for block in pool.blocks:
+        assert block.ref_count == holders.get(block.block_id, 0), block
+        assert pool.is_free(block.block_id) == (block.ref_count == 0)
+    assert pool.num_free == sum(1 for b in pool.blocks if b.ref_count == 0)
+    # A waiting sequence holds nothing; finished ones are gone from both queues.
+    for seq in scheduler.waiting:
+        assert seq.block_ids == [] and seq.status == SequenceStatus.WAITING
+    for seq in scheduler.running:
+        assert seq.status == SequenceStatus.RUNNING
+        assert len(seq.block_ids) * scheduler.config.block_size >= seq.num_kv_tokens
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random requests (n > 1, beams, long prompts), aborts and steps on a tiny cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=16,
+                max_model_len=40, enable_prefix_caching=True,
+            )
+        )
+        self.worker = FakeWorker(vocab=6, eos=0)
+        self.next_id = 0
+        self.live: set[str] = set()
+        self.finished: set[str] = set()
+
+    @rule(
+        prompt=st.lists(st.integers(1, 5), min_size=1, max_size=30),
+        n=st.integers(1, 3),
+        beam=st.booleans(),
+        max_tokens=st.integers(1, 12),
+    )
+    def add(self, prompt: list[int], n: int, beam: bool, max_tokens: int) -> None:
+        params = (
+            SamplingParams(n=n, best_of=n, use_beam_search=True, temperature=0.0,
+                           max_tokens=max_tokens)
+            if beam and n > 1
+            else SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True)
+        )
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        self.scheduler.add_request(request_id, prompt, params, eos_token_ids=(0,))
+        self.live.add(request_id)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.live)))
+        self.scheduler.abort(request_id)
+        self.live.discard(request_id)
+
+    @rule(steps=st.integers(1, 6))
+    def step(self, steps: int) -> None:
+        for _ in range(steps):
+            plan = self.scheduler.schedule()
+            result = self.worker.execute(plan)
+            for delta in self.scheduler.update(plan, result):
+                if delta.finished:
+                    assert delta.request_id not in self.finished
+                    self.finished.add(delta.request_id)
+                    self.live.discard(delta.request_id)
+
+    @invariant()
+    def accounting(self) -> None:
+        check_accounting(self.scheduler)
+
+    def teardown(self) -> None:
+        # Whatever happened, draining the queue must end every request and free every block.
+        for _ in range(2000):
+            if not self.scheduler.has_work():
+                break
+            self.step(1)
+        assert not self.scheduler.has_work()
+        assert not self.live
+        assert self.scheduler.block_manager.pool.num_free == 12
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def _request(prompt: list[int], params: SamplingParams) -> Request:
+    return Request("r", prompt, params, (), RequestTimes(0.0))
+
+
+def test_prefix_hit_reuses_blocks_and_recomputes_only_last_token() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(1, 9))  # exactly two blocks
+    first = Sequence(0, _request(prompt, SamplingParams()), list(prompt))
+    assert bm.allocate(first, len(prompt), bm.find_prefix(first))
+    first.num_computed_tokens = first.num_kv_tokens = len(prompt)
+    bm.register_computed(first)
+    second = Sequence(1, _request(prompt, SamplingParams()), list(prompt))
+    hit = bm.find_prefix(second)
+    assert hit.block_ids == first.block_ids
+    assert bm.allocate(second, 1, hit)
+    assert second.block_ids == first.block_ids
+    assert second.num_computed_tokens == 7 and second.num_kv_tokens == 8
+    assert bm.pool.num_used == 2
+    assert bm.prefix_hits == 8 and bm.prefix_queries == 16
+
+
+def test_freed_blocks_keep_hash_until_reused_tail_first() -> None:
+    bm = BlockManager(num_blocks=3, block_size=2)
+    seq = Sequence(0, _request([1, 2, 3, 4], SamplingParams()), [1, 2, 3, 4])
+    assert bm.allocate(seq, 4, bm.find_prefix(seq))
+    head, tail = seq.block_ids
+    seq.num_computed_tokens = seq.num_kv_tokens = 4
+    bm.register_computed(seq)
+    bm.free(seq)
+    # The tail is evicted before the head, after the never-used block.
+    assert [bm.pool.allocate() for _ in range(2)] == [2, tail]
+    again = Sequence(1, _request([1, 2, 3, 4], SamplingParams()), [1, 2, 3, 4])
+    assert bm.find_prefix(again).block_ids == [head]
+
+
+def test_fork_shares_and_copy_on_write_copies_partial_block() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = [1, 2, 3, 4, 5, 6]
+    parent = Sequence(0, _request(prompt, SamplingParams()), list(prompt))
+    assert bm.allocate(parent, 6, bm.find_prefix(parent))
+    parent.num_computed_tokens = parent.num_kv_tokens = 6
+    child = Sequence(1, parent.request, list(prompt))
+    child.num_computed_tokens = child.num_kv_tokens = 6
+    bm.fork(parent, child)
+    assert bm.pool.num_used == 2
+    child.token_ids.append(9)
+    assert bm.allocate(child, 1)
+    assert child.block_ids[0] == parent.block_ids[0]
+    assert child.block_ids[1] != parent.block_ids[1]
+    assert bm.take_copies() == [(parent.block_ids[1], child.block_ids[1])]
+    parent.token_ids.append(7)
+    assert bm.allocate(parent, 1)  # now the only holder: writes in place
+    assert bm.take_copies() == []
+
+
+@pytest.mark.parametrize("block", range(4))
+def test_random_traces_drain_completely(block: int) -> None:
+    # Long random traces (many requests on a tiny cache, beams among them) reach corners
+    # such as a beam search whose siblings are preempted between its steps.
+    for trial in range(block * 150, (block + 1) * 150):
+        rng = random.Random(trial)
+        machine = SchedulerMachine()
+        for _ in range(rng.randint(1, 25)):
+            roll = rng.random()
+            if roll < 0.5:
+                machine.add(
+                    prompt=[rng.randint(1, 5) for _ in range(rng.randint(1, 30))],
+                    n=rng.randint(1, 3),
+                    beam=rng.random() < 0.4,
+                    max_tokens=rng.randint(1, 12),
+                )
+            elif roll < 0.65 and machine.live:
+                request_id = rng.choice(sorted(machine.live))
+                machine.scheduler.abort(request_id)
+                machine.live.discard(request_id)
+            else:
+                machine.step(rng.randint(1, 6))
+            machine.accounting()
+        machine.teardown()

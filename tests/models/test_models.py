@@ -1,0 +1,381 @@
+"""The model side of the engine against Hugging Face transformers.
+
+Tiny random checkpoints of each supported architecture are saved with transformers, loaded by
+our loader, and run through a paged KV cache (shuffled, non-contiguous blocks; chunked prefill
+mixed with decode); every position's logits must match transformers' full forward.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from transformers import (
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from pagedllm.kernels import reference
+from pagedllm.models import cpu_linear
+from pagedllm.models.config import ModelLoadError, read_model_config
+from pagedllm.models.layers import LinearRopeScaling, Llama3RopeScaling, PackableLinear
+from pagedllm.models.llama import CausalLM
+from pagedllm.models.loader import load_model, load_tokenizer
+from pagedllm.worker.attention_metadata import AttentionMetadata
+from tests.tiny_models import save_hf_model
+
+VOCAB = 128
+TOLERANCE = 1e-4
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+CASES: dict[str, PretrainedConfig] = {
+    "llama-gqa": LlamaConfig(**TINY),
+    "llama-mqa-tied": LlamaConfig(**{**TINY, "num_key_value_heads": 1}, tie_word_embeddings=True),
+    "llama-biases": LlamaConfig(**TINY, attention_bias=True, mlp_bias=True),
+    "llama-rope-linear": LlamaConfig(**TINY, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama-rope-llama3": LlamaConfig(
+        **TINY,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+    "mistral-sliding-window": MistralConfig(**TINY, sliding_window=5),
+    "qwen2-bias-tied": Qwen2Config(**TINY, tie_word_embeddings=True),
+    "qwen2-sliding-upper-layers": Qwen2Config(
+        **TINY, use_sliding_window=True, sliding_window=4, max_window_layers=1
+    ),
+    "qwen3-qk-norm": Qwen3Config(**TINY, head_dim=32),
+}
+
+# Two sequences: (prompt length, decode steps). Sequence 1's prompt is prefilled in two chunks,
+# the second alongside sequence 0's first decode step.
+PROMPT_LENS = (11, 9)
+SCHEDULE: list[dict[int, int]] = [
+    {0: 11, 1: 5},
+    {0: 1, 1: 4},
+    {0: 1, 1: 1},
+    {0: 1, 1: 1},
+    {1: 1},
+]
+SEQUENCE_LENS = tuple(sum(step.get(seq, 0) for step in SCHEDULE) for seq in range(2))
+
+
+def token_sequences(seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (length,), generator=generator) for length in SEQUENCE_LENS]
+
+
+def hf_logits(model, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [model(tokens[None]).logits[0].float() for tokens in sequences]
+
+
+@dataclass
+class PagedSequence:
+    tokens: torch.Tensor
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+
+@dataclass
+class PagedRun:
+    """Drives a model step by step through a paged cache, as the engine would."""
+
+    model: CausalLM
+    block_size: int
+    num_blocks: int = 16
+    seed: int = 2
+
+    def __post_init__(self) -> None:
+        config = self.model.config
+        shape = (
+            self.num_blocks,
+            self.block_size,
+            config.num_kv_heads_per_rank(self.model.tp_size),
+            config.head_dim,
+        )
+        self.kv_caches = [
+            (torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)
+        ]
+        generator = torch.Generator().manual_seed(self.seed)
+        self.free_blocks = torch.randperm(self.num_blocks, generator=generator).tolist()
+
+    def step(
+        self, sequences: list[PagedSequence], chunks: dict[int, int]
+    ) -> dict[int, torch.Tensor]:
+        """Run ``chunks[i]`` new tokens of each listed sequence; their logits, by sequence."""
+        ids, positions, slots, tables, cu_seqlens, seq_lens = [], [], [], [], [0], []
+        for index, count in chunks.items():
+            seq = sequences[index]
+            start, end = seq.num_computed, seq.num_computed + count
+            while len(seq.block_table) * self.block_size < end:
+                seq.block_table.append(self.free_blocks.pop())
+            new_positions = torch.arange(start, end)
+            table = torch.tensor(seq.block_table)
+            ids.append(seq.tokens[start:end])
+            positions.append(new_positions)
+            slots.append(
+                table[new_positions // self.block_size] * self.block_size
+                + new_positions % self.block_size
+            )
+            tables.append(seq.block_table)
+            cu_seqlens.append(cu_seqlens[-1] + count)
+            seq_lens.append(end)
+            seq.num_computed = end
+        width = max(len(table) for table in tables)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).long(),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]).int(),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32),
+            seq_lens_k=torch.tensor(seq_lens, dtype=torch.int32),
+            max_seqlen_q=max(chunks.values()),
+            max_seqlen_k=max(seq_lens),
+        )
+        with torch.no_grad():
+            hidden = self.model(torch.cat(ids), torch.cat(positions), self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden)
+        return {index: logits[cu_seqlens[n] : cu_seqlens[n + 1]] for n, index in enumerate(chunks)}
+
+
+def paged_logits(
+    model: CausalLM, tokens: list[torch.Tensor], block_size: int
+) -> list[torch.Tensor]:
+    run = PagedRun(model, block_size)
+    sequences = [PagedSequence(t) for t in tokens]
+    outputs: list[list[torch.Tensor]] = [[] for _ in tokens]
+    for chunks in SCHEDULE:
+        for index, logits in run.step(sequences, chunks).items():
+            outputs[index].append(logits)
+    return [torch.cat(chunks) for chunks in outputs]
+
+
+def assert_logits_match(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+    for ours_seq, theirs_seq in zip(ours, theirs, strict=True):
+        assert ours_seq.dtype == torch.float32
+        assert ours_seq.shape == theirs_seq.shape
+        assert (ours_seq - theirs_seq).abs().max().item() < TOLERANCE
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_paged_prefill_and_decode_match_transformers(tmp_path, case, block_size):
+    hf_model = save_hf_model(tmp_path, CASES[case])
+    model, _ = load_model(tmp_path)
+    tokens = token_sequences()
+    assert_logits_match(paged_logits(model, tokens, block_size), hf_logits(hf_model, tokens))
+
+
+def test_model_config_reflects_each_architecture(tmp_path):
+    expectations = {
+        "llama-biases": dict(attention_bias=True, attention_output_bias=True, mlp_bias=True),
+        "llama-mqa-tied": dict(num_key_value_heads=1, tie_word_embeddings=True),
+        "llama-rope-linear": dict(rope_scaling=LinearRopeScaling(factor=2.0)),
+        "llama-rope-llama3": dict(
+            rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, original_max_position_embeddings=16)
+        ),
+        "mistral-sliding-window": dict(sliding_window=5, sliding_window_layers=(True, True)),
+        "qwen2-bias-tied": dict(
+            attention_bias=True, attention_output_bias=False, sliding_window=None
+        ),
+        "qwen2-sliding-upper-layers": dict(sliding_window=4, sliding_window_layers=(False, True)),
+        "qwen3-qk-norm": dict(qk_norm=True, head_dim=32, attention_bias=False),
+    }
+    architectures = {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }
+    for case, expected in expectations.items():
+        hf_config = copy.deepcopy(CASES[case])
+        hf_config.architectures = [architectures[hf_config.model_type]]
+        hf_config.save_pretrained(tmp_path / case)
+        config = read_model_config(tmp_path / case)
+        assert config.architecture == hf_config.architectures[0]
+        assert {key: getattr(config, key) for key in expected} == expected, case
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf_model = save_hf_model(tmp_path, CASES["llama-gqa"], max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    model, _ = load_model(tmp_path)
+    tokens = token_sequences()
+    assert_logits_match(paged_logits(model, tokens, 4), hf_logits(hf_model, tokens))
+
+
+def test_dtype_auto_follows_the_checkpoint_and_can_be_overridden(tmp_path):
+    save_hf_model(tmp_path, CASES["llama-gqa"])
+    config_path = tmp_path / "config.json"
+    raw = json.loads(config_path.read_text())
+    raw["dtype"] = "bfloat16"
+    config_path.write_text(json.dumps(raw))
+    model, config = load_model(tmp_path)
+    assert config.torch_dtype == "bfloat16"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    model, _ = load_model(tmp_path, dtype="float16")
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    logits = paged_logits(model, token_sequences(), 8)
+    assert all(torch.isfinite(seq).all() for seq in logits)
+
+
+def test_transformers_4_config_layout_and_generation_eos(tmp_path):
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **TINY,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"type": "linear", "factor": 4.0},
+        "eos_token_id": 2,
+        "torch_dtype": "float16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    config = read_model_config(tmp_path)
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling == LinearRopeScaling(factor=4.0)
+    assert config.eos_token_ids == [2, 7]
+    assert config.torch_dtype == "float16"
+    assert config.head_dim == 16
+    assert config.num_kv_heads_per_rank(2) == 1
+    assert config.kv_cache_bytes_per_token(element_size=2, tp_size=1) == 2 * 2 * 2 * 16 * 2
+
+
+def write_config(directory: Path, **overrides) -> None:
+    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **TINY, **overrides}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(raw))
+
+
+def test_config_errors_name_the_problem(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        read_model_config(tmp_path / "absent")
+    with pytest.raises(ModelLoadError, match="config.json not found"):
+        read_model_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="cannot read .*config.json"):
+        read_model_config(tmp_path)
+    write_config(tmp_path, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        read_model_config(tmp_path)
+    write_config(tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="'yarn' is not supported"):
+        read_model_config(tmp_path)
+    write_config(tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(ModelLoadError, match="low_freq_factor"):
+        read_model_config(tmp_path)
+    write_config(tmp_path, hidden_size="64")
+    with pytest.raises(ModelLoadError, match="'hidden_size' must be a positive integer"):
+        read_model_config(tmp_path)
+    write_config(tmp_path, num_key_value_heads=3)
+    with pytest.raises(ModelLoadError, match="num_key_value_heads=3"):
+        read_model_config(tmp_path)
+    write_config(tmp_path, vocab_size=None)
+    with pytest.raises(ModelLoadError, match="required field 'vocab_size'"):
+        read_model_config(tmp_path)
+
+
+def test_load_errors_name_the_problem(tmp_path):
+    save_hf_model(tmp_path, CASES["llama-gqa"])
+    with pytest.raises(ModelLoadError, match="auto, float32, float16, bfloat16.*'float8'"):
+        load_model(tmp_path, dtype="float8")
+    with pytest.raises(ModelLoadError, match="size 3 does not divide num_attention_heads=4"):
+        load_model(tmp_path, tp_size=3)
+
+    weights_path = tmp_path / "model.safetensors"
+    weights = load_file(weights_path)
+    missing = "model.layers.1.mlp.down_proj.weight"
+    save_file({k: v for k, v in weights.items() if k != missing}, weights_path)
+    with pytest.raises(ModelLoadError, match=f"tensor {missing} is missing"):
+        load_model(tmp_path)
+
+    save_file(weights, weights_path)
+    write_config(tmp_path, intermediate_size=96)
+    with pytest.raises(ModelLoadError, match=r"gate_proj.weight .* shape \[128, 64\].*\[96, 64\]"):
+        load_model(tmp_path)
+
+    weights_path.unlink()
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors weight files"):
+        load_model(tmp_path)
+
+    with pytest.raises(ModelLoadError, match="cannot load a tokenizer"):
+        load_tokenizer(tmp_path)
+
+
+def test_missing_shard_is_named(tmp_path):
+    save_hf_model(tmp_path, CASES["llama-gqa"], max_shard_size="40KB")
+    shard = sorted(tmp_path.glob("*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ModelLoadError, match=f"weight file .*{shard.name} .* is missing"):
+        load_model(tmp_path)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tensor_parallel_worker(rank: int, world_size: int, port: int, model_dir: Path) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        torch.set_num_threads(1)
+        model, _ = load_model(model_dir, ops=reference, tp_rank=rank, tp_size=world_size)
+        logits = paged_logits(model, token_sequences(), block_size=4)
+        torch.save(logits, model_dir / f"logits-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_ranks_match_a_single_process(tmp_path):
+    hf_model = save_hf_model(tmp_path, CASES["llama-biases"])
+    expected = hf_logits(hf_model, token_sequences())
+    mp.spawn(tensor_parallel_worker, args=(2, free_port(), tmp_path), nprocs=2, join=True)
+    for rank in range(2):
+        assert_logits_match(torch.load(tmp_path / f"logits-rank{rank}.pt"), expected)
+
+
+@pytest.mark.skipif(not cpu_linear.available(torch.device("cpu"), torch.float32),
+                    reason="oneDNN weight packing is for x86 CPUs")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_weights_give_the_logits_of_dense_ones(tmp_path, monkeypatch, dtype):
+    save_hf_model(tmp_path, CASES["llama-biases"])
+    packed, _ = load_model(tmp_path, dtype=dtype)
+    projections = [m for m in packed.modules() if isinstance(m, PackableLinear)]
+    assert projections and all(m.packed is not None and m.weight.numel() == 0
+                               for m in projections)
+    monkeypatch.setenv(cpu_linear.DISABLE_ENV, "0")
+    dense, _ = load_model(tmp_path, dtype=dtype)
+    assert all(m.packed is None and m.weight.numel() > 0
+               for m in dense.modules() if isinstance(m, PackableLinear))
+    tokens = token_sequences()
+    tolerance = 1e-4 if dtype == "float32" else 5e-2
+    for ours, theirs in zip(paged_logits(packed, tokens, 8), paged_logits(dense, tokens, 8),
+                            strict=True):
+        assert (ours - theirs).abs().max().item() < tolerance
