@@ -25,14 +25,14 @@ install-test: $(VENV)/.installed-test
 serve: install
 	$(BIN)/pagedllm serve $(ARGS)
 
-test: install-test
-	$(BIN)/ruff check .
+test: install-test lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 e2e: install-test
 	$(BIN)/pytest -q e2e $(PYTEST_ARGS)
 
 lint: install-test
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
 bench: install

@@ -215,8 +215,10 @@ def machine_info() -> dict[str, Any]:
 def warn_if_busy(limit: float = 1.0) -> None:
     load = os.getloadavg()[0]
     if load >= limit:
-        print(f"warning: load average {load:.2f} >= {limit}: other processes share the cores "
-              "and the figures will be low")
+        print(
+            f"warning: load average {load:.2f} >= {limit}: other processes share the cores "
+            "and the figures will be low"
+        )
 
 
 # ----- targets, tables and results -----------------------------------------------------------

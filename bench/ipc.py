@@ -74,17 +74,29 @@ class Node:
         self.log = log_dir / "serve.log"
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "pagedllm.cli", "serve", "--host", "127.0.0.1",
-                 "--port", str(self.port), "--kv-cache-memory", str(KV_CACHE_MEMORY)],
-                stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "pagedllm.cli",
+                    "serve",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--kv-cache-memory",
+                    str(KV_CACHE_MEMORY),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + 300
         while not self._healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"pagedllm serve did not start:\n{self.log.read_text()}")
             time.sleep(0.2)
-        self.http = httpx.Client(base_url=self.url, timeout=300,
-                                 limits=httpx.Limits(max_connections=64))
+        self.http = httpx.Client(
+            base_url=self.url, timeout=300, limits=httpx.Limits(max_connections=64)
+        )
 
     def _healthy(self) -> bool:
         try:
@@ -100,11 +112,15 @@ class Node:
 
         def one(prompt: str) -> None:
             if stream:
-                with self.http.stream("POST", "/v1/completions",
-                                      json={**body, "prompt": prompt}) as response:
+                with self.http.stream(
+                    "POST", "/v1/completions", json={**body, "prompt": prompt}
+                ) as response:
                     response.raise_for_status()
-                    events = [line.removeprefix("data: ") for line in response.iter_lines()
-                              if line.startswith("data: {")]
+                    events = [
+                        line.removeprefix("data: ")
+                        for line in response.iter_lines()
+                        if line.startswith("data: {")
+                    ]
                 usage = json.loads(events[-1])["usage"]
             else:
                 response = self.http.post("/v1/completions", json={**body, "prompt": prompt})
@@ -140,8 +156,11 @@ def main() -> int:
     parser.add_argument("--short", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--stream", action="store_true",
-                        help="the node's requests are SSE streams (forwarded every step)")
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="the node's requests are SSE streams (forwarded every step)",
+    )
     args = parser.parse_args()
     if not 1 <= args.short < args.tokens:
         parser.error("--short must be at least 1 and below --tokens")
@@ -149,12 +168,15 @@ def main() -> int:
     engine = LLMEngine(EngineConfig(kv_cache_memory=KV_CACHE_MEMORY))
     node = Node(Path(tempfile.mkdtemp(prefix="pagedllm-bench-ipc-")))
     threads = torch.get_num_threads()
-    print(f"demo model, {args.tokens} - {args.short} tokens per request "
-          f"({'streamed' if args.stream else 'answered once'}), best of "
-          f"{args.repeats}, {os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f}); "
-          f"torch threads: in-process {threads}, node worker {torch_threads(1)}")
-    print(f"{'batch':>5}  {'in-process':>10}  {'node':>10}  {'overhead':>8}  "
-          f"{'scheduler view':>14}")
+    print(
+        f"demo model, {args.tokens} - {args.short} tokens per request "
+        f"({'streamed' if args.stream else 'answered once'}), best of "
+        f"{args.repeats}, {os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f}); "
+        f"torch threads: in-process {threads}, node worker {torch_threads(1)}"
+    )
+    print(
+        f"{'batch':>5}  {'in-process':>10}  {'node':>10}  {'overhead':>8}  {'scheduler view':>14}"
+    )
     results = {}
     try:
         for batch in args.batches:
@@ -175,14 +197,18 @@ def main() -> int:
             remote_s = per_step_s(remote, args.tokens, args.short)
             overhead = remote_s / local_s - 1
             results[batch] = overhead
-            print(f"{batch:>5}  {local_s * 1e3:>8.2f}ms  {remote_s * 1e3:>8.2f}ms  "
-                  f"{overhead:>+8.1%}  {min(sched) * 1e3:>12.2f}ms")
+            print(
+                f"{batch:>5}  {local_s * 1e3:>8.2f}ms  {remote_s * 1e3:>8.2f}ms  "
+                f"{overhead:>+8.1%}  {min(sched) * 1e3:>12.2f}ms"
+            )
     finally:
         node.close()
     if 32 in results:
         met = results[32] <= TARGET_OVERHEAD
-        print(f"target: the node adds <= {TARGET_OVERHEAD:.0%} at batch 32: "
-              f"{results[32]:+.1%} -> {'met' if met else 'NOT met'}")
+        print(
+            f"target: the node adds <= {TARGET_OVERHEAD:.0%} at batch 32: "
+            f"{results[32]:+.1%} -> {'met' if met else 'NOT met'}"
+        )
     return 0
 
 

@@ -48,9 +48,14 @@ def demo_model() -> Path:
 def make_llm(model_dir: Path, kv_tokens: int, max_model_len: int, **kwargs: Any):
     from pagedllm import LLM
 
-    return LLM(model=str(model_dir), dtype="float32", block_size=16,
-               kv_cache_memory=kv_tokens * common.kv_bytes_per_token(model_dir),
-               max_model_len=max_model_len, **kwargs)
+    return LLM(
+        model=str(model_dir),
+        dtype="float32",
+        block_size=16,
+        kv_cache_memory=kv_tokens * common.kv_bytes_per_token(model_dir),
+        max_model_len=max_model_len,
+        **kwargs,
+    )
 
 
 def live_seqs(scheduler) -> list:
@@ -82,8 +87,10 @@ def run_paged_trace(workload: common.Workload, kv_tokens: int, max_model_len: in
     pool = scheduler.block_manager.pool
     bs = scheduler.block_manager.block_size
     for prompt, n in zip(workload.prompts, workload.output_lens, strict=True):
-        engine.add_request({"prompt_token_ids": prompt},
-                           SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        engine.add_request(
+            {"prompt_token_ids": prompt},
+            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+        )
     waste, running, used = [], [], []
     while engine.has_unfinished_requests():
         engine.step()
@@ -158,8 +165,7 @@ def simulate_contiguous(
                 running[r] = (start, size, done + 1)
         while queue:
             r = queue[-1]
-            size = (len(workload.prompts[r]) + workload.output_lens[r] if oracle
-                    else max_model_len)
+            size = len(workload.prompts[r]) + workload.output_lens[r] if oracle else max_model_len
             start = allocator.allocate(size)
             if start is None:
                 break
@@ -195,20 +201,26 @@ def simulate_contiguous(
 def run_sharing(workload: common.Workload, kind: str, width: int, max_model_len: int) -> dict:
     from pagedllm import BeamSearchParams, SamplingParams
 
-    kv_tokens = width * sum(len(p) + n + 32 for p, n in
-                            zip(workload.prompts, workload.output_lens, strict=True))
-    llm = make_llm(demo_model(), kv_tokens, max_model_len, enable_prefix_caching=False,
-                   max_num_seqs=width * len(workload.prompts))
+    kv_tokens = width * sum(
+        len(p) + n + 32 for p, n in zip(workload.prompts, workload.output_lens, strict=True)
+    )
+    llm = make_llm(
+        demo_model(),
+        kv_tokens,
+        max_model_len,
+        enable_prefix_caching=False,
+        max_num_seqs=width * len(workload.prompts),
+    )
     engine = llm.engine
     scheduler = engine.scheduler
     bs = scheduler.block_manager.block_size
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
         if kind == "beam":
-            params = BeamSearchParams(beam_width=width, max_tokens=n,
-                                      ignore_eos=True).to_sampling_params()
+            params = BeamSearchParams(
+                beam_width=width, max_tokens=n, ignore_eos=True
+            ).to_sampling_params()
         else:
-            params = SamplingParams(n=width, temperature=1.0, seed=i, max_tokens=n,
-                                    ignore_eos=True)
+            params = SamplingParams(n=width, temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)
         engine.add_request({"prompt_token_ids": prompt}, params)
     shared_sum = unshared_sum = 0
     shared_series, unshared_series = [], []
@@ -247,8 +259,9 @@ class PrefixRun:
     prefill_tokens: list[int]
 
 
-def run_prefix(model_dir: Path, system_len: int, num_requests: int, seed: int,
-               caching: bool) -> PrefixRun:
+def run_prefix(
+    model_dir: Path, system_len: int, num_requests: int, seed: int, caching: bool
+) -> PrefixRun:
     import random
 
     from pagedllm import SamplingParams
@@ -256,10 +269,13 @@ def run_prefix(model_dir: Path, system_len: int, num_requests: int, seed: int,
     rng = random.Random(seed)
     vocab = common.vocab_size(model_dir)
     system = [rng.randrange(common.FIRST_PLAIN_TOKEN, vocab) for _ in range(system_len)]
-    users = [[rng.randrange(common.FIRST_PLAIN_TOKEN, vocab) for _ in range(rng.randint(16, 64))]
-             for _ in range(num_requests)]
-    llm = make_llm(model_dir, 4 * (system_len + 128), system_len + 256,
-                   enable_prefix_caching=caching)
+    users = [
+        [rng.randrange(common.FIRST_PLAIN_TOKEN, vocab) for _ in range(rng.randint(16, 64))]
+        for _ in range(num_requests)
+    ]
+    llm = make_llm(
+        model_dir, 4 * (system_len + 128), system_len + 256, enable_prefix_caching=caching
+    )
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     warm = [rng.randrange(common.FIRST_PLAIN_TOKEN, vocab) for _ in range(32)]
@@ -322,8 +338,9 @@ def plot(data: dict[str, Any], name: str) -> Path:
     if labels:
         bars = ax.bar(labels, values, color=colors)
         for bar, v in zip(bars, values, strict=True):
-            ax.annotate(f"{v:.0f}%", (bar.get_x() + bar.get_width() / 2, v), ha="center",
-                        va="bottom")
+            ax.annotate(
+                f"{v:.0f}%", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom"
+            )
         ax.axhline(100, color="grey", lw=0.8)
         ax.set_ylabel("% of the unshared / uncached cost")
         ax.set_title("Sharing and prefix caching")
@@ -336,8 +353,12 @@ def main() -> None:
     parser.add_argument("--parts", default="a,c,d", help="a (waste and concurrency), c, d")
     parser.add_argument("--num-requests", type=int, default=100, help="requests of (a)")
     parser.add_argument("--kv-tokens", type=int, default=8192, help="KV budget of (a), tokens")
-    parser.add_argument("--max-model-len", type=int, default=1024,
-                        help="max_model_len, which the traditional scheme reserves")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=1024,
+        help="max_model_len, which the traditional scheme reserves",
+    )
     parser.add_argument("--sharing-requests", type=int, default=8, help="requests of (c)")
     parser.add_argument("--width", type=int, default=4, help="n and beam width of (c)")
     parser.add_argument("--prefix-model", help="model of (d) (default: the benchmark model)")
@@ -357,66 +378,120 @@ def main() -> None:
 
     if "a" in parts:
         workload = common.make_workload(args.num_requests, demo_vocab, args.seed)
-        print(f"(a) {args.num_requests} requests at a budget of {args.kv_tokens} KV slots ...",
-              flush=True)
+        print(
+            f"(a) {args.num_requests} requests at a budget of {args.kv_tokens} KV slots ...",
+            flush=True,
+        )
         paged = run_paged_trace(workload, args.kv_tokens, args.max_model_len)
         budget = paged["budget_tokens"]
-        runs = [paged, simulate_contiguous(workload, budget, args.max_model_len),
-                simulate_contiguous(workload, budget, args.max_model_len, oracle=True)]
+        runs = [
+            paged,
+            simulate_contiguous(workload, budget, args.max_model_len),
+            simulate_contiguous(workload, budget, args.max_model_len, oracle=True),
+        ]
         common.print_table(
-            ["scheme", "waste mean", "waste max", "max seqs", "mean seqs", "steps",
-             "preemptions"],
-            [[r["scheme"], f"{r['waste_mean']:.1%}", f"{r['waste_max']:.1%}",
-              r["max_concurrent"], r["mean_concurrent"], r["steps"],
-              r.get("num_preemptions", 0)] for r in runs],
+            ["scheme", "waste mean", "waste max", "max seqs", "mean seqs", "steps", "preemptions"],
+            [
+                [
+                    r["scheme"],
+                    f"{r['waste_mean']:.1%}",
+                    f"{r['waste_max']:.1%}",
+                    r["max_concurrent"],
+                    r["mean_concurrent"],
+                    r["steps"],
+                    r.get("num_preemptions", 0),
+                ]
+                for r in runs
+            ],
             title=f"(a, b) KV slots allocated but holding no token; sequences at once "
-                  f"(budget {budget} slots, max_model_len {args.max_model_len})",
+            f"(budget {budget} slots, max_model_len {args.max_model_len})",
         )
-        data["waste"] = {"budget_tokens": budget, "max_model_len": args.max_model_len,
-                         "workload": workload.spec | {"seed": args.seed}, "runs": runs}
+        data["waste"] = {
+            "budget_tokens": budget,
+            "max_model_len": args.max_model_len,
+            "workload": workload.spec | {"seed": args.seed},
+            "runs": runs,
+        }
         baseline = runs[1]
         targets += [
-            common.Target("KV waste share (paged)", paged["waste_mean"], TARGET_WASTE,
-                          at_most=True,
-                          note=f"traditional max-length scheme: {baseline['waste_mean']:.1%}"),
-            common.Target("sequences at once vs the traditional scheme",
-                          paged["max_concurrent"] / baseline["max_concurrent"],
-                          TARGET_CONCURRENCY, unit="×",
-                          note=f"{paged['max_concurrent']} vs {baseline['max_concurrent']}; "
-                               f"mean {paged['mean_concurrent']:.1f} vs "
-                               f"{baseline['mean_concurrent']:.1f}"),
+            common.Target(
+                "KV waste share (paged)",
+                paged["waste_mean"],
+                TARGET_WASTE,
+                at_most=True,
+                note=f"traditional max-length scheme: {baseline['waste_mean']:.1%}",
+            ),
+            common.Target(
+                "sequences at once vs the traditional scheme",
+                paged["max_concurrent"] / baseline["max_concurrent"],
+                TARGET_CONCURRENCY,
+                unit="×",
+                note=f"{paged['max_concurrent']} vs {baseline['max_concurrent']}; "
+                f"mean {paged['mean_concurrent']:.1f} vs "
+                f"{baseline['mean_concurrent']:.1f}",
+            ),
         ]
 
     if "c" in parts:
         workload = common.make_workload(args.sharing_requests, demo_vocab, args.seed + 1)
         sharing = []
         for kind in ("sampling", "beam"):
-            print(f"(c) {kind}, width {args.width}, {args.sharing_requests} requests ...",
-                  flush=True)
+            print(
+                f"(c) {kind}, width {args.width}, {args.sharing_requests} requests ...", flush=True
+            )
             sharing.append(run_sharing(workload, kind, args.width, args.max_model_len))
         common.print_table(
-            ["kind", "width", "block-steps shared", "unshared", "share", "peak shared",
-             "peak unshared"],
-            [[r["kind"], r["width"], r["shared_block_steps"], r["unshared_block_steps"],
-              f"{r['share']:.1%}", r["peak_shared"], r["peak_unshared"]] for r in sharing],
-            title="(c) KV blocks held with sharing vs each sequence on its own "
-                  "(summed over steps)",
+            [
+                "kind",
+                "width",
+                "block-steps shared",
+                "unshared",
+                "share",
+                "peak shared",
+                "peak unshared",
+            ],
+            [
+                [
+                    r["kind"],
+                    r["width"],
+                    r["shared_block_steps"],
+                    r["unshared_block_steps"],
+                    f"{r['share']:.1%}",
+                    r["peak_shared"],
+                    r["peak_unshared"],
+                ]
+                for r in sharing
+            ],
+            title="(c) KV blocks held with sharing vs each sequence on its own (summed over steps)",
         )
         data["sharing"] = sharing
         targets += [
-            common.Target(f"parallel sampling n={args.width}: blocks vs unshared",
-                          sharing[0]["share"], TARGET_SAMPLING_SHARE, at_most=True),
-            common.Target(f"beam search width {args.width}: blocks vs unshared",
-                          sharing[1]["share"], TARGET_BEAM_SHARE, at_most=True),
+            common.Target(
+                f"parallel sampling n={args.width}: blocks vs unshared",
+                sharing[0]["share"],
+                TARGET_SAMPLING_SHARE,
+                at_most=True,
+            ),
+            common.Target(
+                f"beam search width {args.width}: blocks vs unshared",
+                sharing[1]["share"],
+                TARGET_BEAM_SHARE,
+                at_most=True,
+            ),
         ]
 
     if "d" in parts:
         common.set_threads(args.threads)
         model_dir = common.resolve_model(args.prefix_model)
-        print(f"(d) {args.prefix_requests} requests with a {args.system_len}-token system "
-              "prompt, one at a time ...", flush=True)
-        runs = {c: run_prefix(model_dir, args.system_len, args.prefix_requests, args.seed, c)
-                for c in (False, True)}
+        print(
+            f"(d) {args.prefix_requests} requests with a {args.system_len}-token system "
+            "prompt, one at a time ...",
+            flush=True,
+        )
+        runs = {
+            c: run_prefix(model_dir, args.system_len, args.prefix_requests, args.seed, c)
+            for c in (False, True)
+        }
         off, on = runs[False], runs[True]
         # From the second request on the system prompt is in the cache.
         cut = 1 - sum(on.prefill_tokens[1:]) / sum(off.prefill_tokens[1:])
@@ -424,16 +499,30 @@ def main() -> None:
         ttft_off = statistics.median(off.ttft_s[1:])
         ttft_on = statistics.median(on.ttft_s[1:])
         common.print_table(
-            ["prefix caching", "prefill tokens (first)", "prefill tokens (rest, mean)",
-             "TTFT first ms", "TTFT rest p50 ms"],
-            [[label, r.prefill_tokens[0], statistics.fmean(r.prefill_tokens[1:]),
-              r.ttft_s[0] * 1e3, statistics.median(r.ttft_s[1:]) * 1e3]
-             for label, r in (("off", off), ("on", on))],
+            [
+                "prefix caching",
+                "prefill tokens (first)",
+                "prefill tokens (rest, mean)",
+                "TTFT first ms",
+                "TTFT rest p50 ms",
+            ],
+            [
+                [
+                    label,
+                    r.prefill_tokens[0],
+                    statistics.fmean(r.prefill_tokens[1:]),
+                    r.ttft_s[0] * 1e3,
+                    statistics.median(r.ttft_s[1:]) * 1e3,
+                ]
+                for label, r in (("off", off), ("on", on))
+            ],
             title=f"(d) {args.system_len}-token shared system prompt, "
-                  f"{common.model_summary(model_dir)['parameters'] / 1e6:.0f}M model",
+            f"{common.model_summary(model_dir)['parameters'] / 1e6:.0f}M model",
         )
-        print(f"prefill tokens cut over all {args.prefix_requests} requests, the first "
-              f"included: {cut_all:.1%}")
+        print(
+            f"prefill tokens cut over all {args.prefix_requests} requests, the first "
+            f"included: {cut_all:.1%}"
+        )
         data["prefix"] = {
             "model": common.model_summary(model_dir),
             "system_len": args.system_len,
@@ -443,10 +532,18 @@ def main() -> None:
             "ttft_speedup": ttft_off / ttft_on,
         }
         targets += [
-            common.Target("prefix caching: prefill tokens cut (cached system prompt)", cut,
-                          TARGET_PREFILL_CUT, note=f"first request included: {cut_all:.1%}"),
-            common.Target("prefix caching: TTFT speed-up (p50)", ttft_off / ttft_on,
-                          TARGET_TTFT_SPEEDUP, unit="×"),
+            common.Target(
+                "prefix caching: prefill tokens cut (cached system prompt)",
+                cut,
+                TARGET_PREFILL_CUT,
+                note=f"first request included: {cut_all:.1%}",
+            ),
+            common.Target(
+                "prefix caching: TTFT speed-up (p50)",
+                ttft_off / ttft_on,
+                TARGET_TTFT_SPEEDUP,
+                unit="×",
+            ),
         ]
 
     common.print_targets(targets)

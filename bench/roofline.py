@@ -83,8 +83,9 @@ class MatmulTimer:
             generator = torch.Generator().manual_seed(0)
             weights = {
                 m.name: [
-                    weight_matmul(torch.randn(m.out_features, m.in_features,
-                                              generator=generator, dtype=dtype))
+                    weight_matmul(
+                        torch.randn(m.out_features, m.in_features, generator=generator, dtype=dtype)
+                    )
                     for _ in range(m.count)
                 ]
                 for m in self.matmuls
@@ -119,13 +120,15 @@ def roofline_table(timer: MatmulTimer, batches: list[int]) -> list[dict[str, Any
     rows = []
     for batch in batches:
         t = timer.time(batch)
-        rows.append({
-            "tokens": batch,
-            "matmul_s": t["total"],
-            "per_matmul_s": {k: v for k, v in t.items() if k != "total"},
-            "gflops": timer.flops(batch) / t["total"] / 1e9,
-            "tokens_per_s": batch / t["total"],
-        })
+        rows.append(
+            {
+                "tokens": batch,
+                "matmul_s": t["total"],
+                "per_matmul_s": {k: v for k, v in t.items() if k != "total"},
+                "gflops": timer.flops(batch) / t["total"] / 1e9,
+                "tokens_per_s": batch / t["total"],
+            }
+        )
     return rows
 
 
@@ -147,21 +150,37 @@ def engine_weights(model: torch.nn.Module) -> dict[str, list[MatmulFn]]:
 
 
 def engine_decode_step(
-    model_dir: Path, summary: dict[str, Any], batch: int, context: int, rounds: int,
-    dtype: str = "float32", steps_per_round: int = 4,
+    model_dir: Path,
+    summary: dict[str, Any],
+    batch: int,
+    context: int,
+    rounds: int,
+    dtype: str = "float32",
+    steps_per_round: int = 4,
 ) -> dict[str, Any]:
     """Median decode step of the engine with ``batch`` sequences at about ``context`` tokens,
     and median matmul time of its own weights at that batch, timed in alternation."""
     from pagedllm import LLM, SamplingParams
 
     steps = rounds * steps_per_round
-    llm = LLM(model=str(model_dir), dtype=dtype, max_num_seqs=batch,
-              max_model_len=context + steps + 64, enable_prefix_caching=False)
+    llm = LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        max_num_seqs=batch,
+        max_model_len=context + steps + 64,
+        enable_prefix_caching=False,
+    )
     engine = llm.engine
     timer = MatmulTimer(summary, getattr(torch, dtype), engine_weights(engine.runner.model))
-    workload = common.make_workload(batch, common.vocab_size(model_dir), seed=1,
-                                    prompt_len=context, prompt_spread=0,
-                                    output_len=steps + 8, output_spread=0)
+    workload = common.make_workload(
+        batch,
+        common.vocab_size(model_dir),
+        seed=1,
+        prompt_len=context,
+        prompt_spread=0,
+        output_len=steps + 8,
+        output_spread=0,
+    )
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for prompt in workload.prompts:
         engine.add_request({"prompt_token_ids": prompt}, params)
@@ -195,10 +214,20 @@ def plot(rows: list[dict[str, Any]], decode: dict[str, Any] | None, name: str) -
     xs = [r["tokens"] for r in rows]
     ax.plot(xs, [r["tokens_per_s"] for r in rows], "o-", label="roofline: matmuls alone")
     if decode is not None:
-        ax.plot([decode["batch"]], [decode["batch"] / decode["matmul_s"]], "^", markersize=9,
-                label="roofline: the engine's weights, alternated with its steps")
-        ax.plot([decode["batch"]], [decode["batch"] / decode["step_s"]], "s", markersize=9,
-                label=f"PagedLLM decode step (batch {decode['batch']})")
+        ax.plot(
+            [decode["batch"]],
+            [decode["batch"] / decode["matmul_s"]],
+            "^",
+            markersize=9,
+            label="roofline: the engine's weights, alternated with its steps",
+        )
+        ax.plot(
+            [decode["batch"]],
+            [decode["batch"] / decode["step_s"]],
+            "s",
+            markersize=9,
+            label=f"PagedLLM decode step (batch {decode['batch']})",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per forward pass (decode batch)")
@@ -216,8 +245,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=common.DTYPE_CHOICES, default="float32")
     parser.add_argument("--batch", type=int, default=32, help="decode batch of the target")
     parser.add_argument("--context", type=int, default=256, help="tokens per sequence")
-    parser.add_argument("--rounds", type=int, default=6,
-                        help="rounds of 4 decode steps and one matmul pass")
+    parser.add_argument(
+        "--rounds", type=int, default=6, help="rounds of 4 decode steps and one matmul pass"
+    )
     parser.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)))
     parser.add_argument("--name", default="roofline")
     args = parser.parse_args()
@@ -227,8 +257,9 @@ def main() -> None:
     model_dir = common.resolve_model(args.model)
     summary = common.model_summary(model_dir)
     batches = sorted({int(b) for b in args.batches.split(",")} | {args.batch})
-    decode = engine_decode_step(model_dir, summary, args.batch, args.context, args.rounds,
-                                args.dtype)
+    decode = engine_decode_step(
+        model_dir, summary, args.batch, args.context, args.rounds, args.dtype
+    )
     fraction = decode["matmul_s"] / decode["step_s"]
     forward_fraction = decode["matmul_s"] / decode["execute_s"]
     timer = MatmulTimer(summary, getattr(torch, args.dtype))
@@ -242,17 +273,37 @@ def main() -> None:
         title="Matmuls of one forward pass, timed alone (torch, random weights)",
     )
     common.print_table(
-        ["batch", "context", "step ms", "forward+sample ms", "schedule ms", "matmul ms",
-         "tokens/s", "of roofline"],
-        [[args.batch, args.context, decode["step_s"] * 1e3, decode["execute_s"] * 1e3,
-          decode["schedule_s"] * 1e3, decode["matmul_s"] * 1e3,
-          args.batch / decode["step_s"], f"{fraction:.0%}"]],
+        [
+            "batch",
+            "context",
+            "step ms",
+            "forward+sample ms",
+            "schedule ms",
+            "matmul ms",
+            "tokens/s",
+            "of roofline",
+        ],
+        [
+            [
+                args.batch,
+                args.context,
+                decode["step_s"] * 1e3,
+                decode["execute_s"] * 1e3,
+                decode["schedule_s"] * 1e3,
+                decode["matmul_s"] * 1e3,
+                args.batch / decode["step_s"],
+                f"{fraction:.0%}",
+            ]
+        ],
         title="PagedLLM decode step and the matmuls of its own weights, alternated",
     )
     targets = [
-        common.Target(f"decode at batch {args.batch}, share of the matmul roofline", fraction,
-                      TARGET_FRACTION,
-                      note=f"forward and sampling alone: {forward_fraction:.0%}"),
+        common.Target(
+            f"decode at batch {args.batch}, share of the matmul roofline",
+            fraction,
+            TARGET_FRACTION,
+            note=f"forward and sampling alone: {forward_fraction:.0%}",
+        ),
     ]
     common.print_targets(targets)
     data = {

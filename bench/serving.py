@@ -64,8 +64,13 @@ def setup_peers(venv: Path) -> None:
 
 def thread_env(threads: int) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+    )
     return env
 
 
@@ -75,19 +80,52 @@ def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[st
     servers = {
         "pagedllm": Server(
             "pagedllm",
-            [str(Path(sys.executable).parent / "pagedllm"), "serve", "--model", model,
-             "--host", "127.0.0.1", "--port", str(args.port), "--dtype", args.dtype,
-             "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(max_len),
-             "--max-num-seqs", str(max(256, max(args.concurrencies))),
-             "--log-level", "warning"],
-            env, args.port, model,
+            [
+                str(Path(sys.executable).parent / "pagedllm"),
+                "serve",
+                "--model",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(args.port),
+                "--dtype",
+                args.dtype,
+                "--kv-cache-memory",
+                str(args.kv_cache_memory),
+                "--max-model-len",
+                str(max_len),
+                "--max-num-seqs",
+                str(max(256, max(args.concurrencies))),
+                "--log-level",
+                "warning",
+            ],
+            env,
+            args.port,
+            model,
         ),
         "transformers": Server(
             "transformers",
-            [str(args.peers_venv / "bin" / "transformers"), "serve", "--continuous-batching",
-             "--device", "cpu", "--dtype", args.dtype, "--host", "127.0.0.1",
-             "--port", str(args.port + 1), "--model-timeout", "36000", model],
-            env, args.port + 1, model, accepts_ignore_eos=False,
+            [
+                str(args.peers_venv / "bin" / "transformers"),
+                "serve",
+                "--continuous-batching",
+                "--device",
+                "cpu",
+                "--dtype",
+                args.dtype,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(args.port + 1),
+                "--model-timeout",
+                "36000",
+                model,
+            ],
+            env,
+            args.port + 1,
+            model,
+            accepts_ignore_eos=False,
         ),
     }
     for server in servers.values():
@@ -98,8 +136,14 @@ def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[st
 def start(server: Server, workdir: Path) -> subprocess.Popen:
     log = server.log.open("w")
     # Outside the repository: its ``operator/`` folder would shadow the standard library.
-    return subprocess.Popen(server.command, env=server.env, cwd=workdir, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        server.command,
+        env=server.env,
+        cwd=workdir,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -114,8 +158,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    request = urllib.request.Request(url, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
@@ -133,8 +178,9 @@ def wait_ready(server: Server, proc: subprocess.Popen, timeout: float) -> float:
             break
         except OSError:  # not listening yet, or 503 while it loads
             if time.monotonic() - start_time > timeout:
-                raise RuntimeError(f"{server.name} not ready after {timeout} s; see "
-                                   f"{server.log}") from None
+                raise RuntimeError(
+                    f"{server.name} not ready after {timeout} s; see {server.log}"
+                ) from None
             time.sleep(1)
     for _ in range(2):
         post(url, body, timeout=300)
@@ -150,28 +196,44 @@ def level_duration(args: argparse.Namespace, concurrency: int) -> int:
 
 
 def run_guidellm(server: Server, args: argparse.Namespace, workdir: Path) -> list[dict]:
-    backend = (f"kind=openai_http,target=http://127.0.0.1:{server.port},model={server.model},"
-               "request_format=/v1/completions")
+    backend = (
+        f"kind=openai_http,target=http://127.0.0.1:{server.port},model={server.model},"
+        "request_format=/v1/completions"
+    )
     if not server.accepts_ignore_eos:
         backend += ",extras.body.ignore_eos=null"
     rows = []
     for concurrency in args.concurrencies:
         out = workdir / f"guidellm-{server.name}-{concurrency}.json"
         command = [
-            str(args.peers_venv / "bin" / "guidellm"), "run",
-            "--backend", backend,
-            "--tokenizer", f"kind=huggingface_auto,model={server.model}",
-            "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_len},"
-                      f"output_tokens={args.output_len}",
-            "--profile", f"kind=concurrent,streams={concurrency}",
-            "--constraint", f"kind=max_duration,seconds={level_duration(args, concurrency)}",
-            "--constraint", "kind=max_error_rate,rate=0.5",
-            "--output", f"kind=json,path={out}", "--disable-progress",
+            str(args.peers_venv / "bin" / "guidellm"),
+            "run",
+            "--backend",
+            backend,
+            "--tokenizer",
+            f"kind=huggingface_auto,model={server.model}",
+            "--data",
+            f"kind=synthetic_text,prompt_tokens={args.prompt_len},output_tokens={args.output_len}",
+            "--profile",
+            f"kind=concurrent,streams={concurrency}",
+            "--constraint",
+            f"kind=max_duration,seconds={level_duration(args, concurrency)}",
+            "--constraint",
+            "kind=max_error_rate,rate=0.5",
+            "--output",
+            f"kind=json,path={out}",
+            "--disable-progress",
         ]
         log = workdir / f"guidellm-{server.name}-{concurrency}.log"
         with log.open("w") as f:
-            subprocess.run(command, env=thread_env(args.threads), cwd=workdir, stdout=f,
-                           stderr=subprocess.STDOUT, check=True)
+            subprocess.run(
+                command,
+                env=thread_env(args.threads),
+                cwd=workdir,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                check=True,
+            )
         (bench,) = json.loads(out.read_text())["benchmarks"]
         m = bench["metrics"]
         totals = m["request_totals"]
@@ -180,19 +242,21 @@ def run_guidellm(server: Server, args: argparse.Namespace, workdir: Path) -> lis
         def pct(metric: str, q: str, m: dict = m, ok: int = ok) -> float | None:
             return m[metric]["successful"]["percentiles"][q] if ok else None
 
-        rows.append({
-            "concurrency": concurrency,
-            "duration_s": bench["duration"],
-            "requests": ok,
-            "errored": totals["errored"],
-            "incomplete": totals["incomplete"],
-            "output_tokens": m["output_token_count"]["successful"]["total_sum"],
-            "output_tokens_per_s": m["output_tokens_per_second"]["total"]["mean"],
-            "ttft_p50_ms": pct("time_to_first_token_ms", "p50"),
-            "ttft_p99_ms": pct("time_to_first_token_ms", "p99"),
-            "itl_p50_ms": pct("inter_token_latency_ms", "p50"),
-            "itl_p99_ms": pct("inter_token_latency_ms", "p99"),
-        })
+        rows.append(
+            {
+                "concurrency": concurrency,
+                "duration_s": bench["duration"],
+                "requests": ok,
+                "errored": totals["errored"],
+                "incomplete": totals["incomplete"],
+                "output_tokens": m["output_token_count"]["successful"]["total_sum"],
+                "output_tokens_per_s": m["output_tokens_per_second"]["total"]["mean"],
+                "ttft_p50_ms": pct("time_to_first_token_ms", "p50"),
+                "ttft_p99_ms": pct("time_to_first_token_ms", "p99"),
+                "itl_p50_ms": pct("inter_token_latency_ms", "p50"),
+                "itl_p99_ms": pct("inter_token_latency_ms", "p99"),
+            }
+        )
     return rows
 
 
@@ -203,16 +267,16 @@ def random_prompt(model: str, num_tokens: int, seed: int) -> str:
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     rng = random.Random(seed)
-    ids = [rng.randrange(common.FIRST_PLAIN_TOKEN, tokenizer.vocab_size)
-           for _ in range(num_tokens)]
+    ids = [rng.randrange(common.FIRST_PLAIN_TOKEN, tokenizer.vocab_size) for _ in range(num_tokens)]
     return tokenizer.decode(ids)
 
 
 async def _own_level(server: Server, args: argparse.Namespace, concurrency: int) -> dict:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none",
-                         timeout=600, max_retries=0)
+    client = AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", timeout=600, max_retries=0
+    )
     extra = {"ignore_eos": True} if server.accepts_ignore_eos else {}
     ttfts: list[float] = []
     itls: list[float] = []
@@ -230,8 +294,12 @@ async def _own_level(server: Server, args: argparse.Namespace, concurrency: int)
             last = None
             try:
                 stream = await client.completions.create(
-                    model=server.model, prompt=prompts[i % len(prompts)],
-                    max_tokens=args.output_len, stream=True, extra_body=extra)
+                    model=server.model,
+                    prompt=prompts[i % len(prompts)],
+                    max_tokens=args.output_len,
+                    stream=True,
+                    extra_body=extra,
+                )
                 async for chunk in stream:
                     if not chunk.choices or not chunk.choices[0].text:
                         continue
@@ -288,10 +356,8 @@ def plot(results: dict[str, list[dict]], name: str) -> Path:
         xs = [r["concurrency"] for r in rows]
         axes[0].plot(xs, [r["output_tokens_per_s"] for r in rows], "o-", label=server)
         for q, style in (("p50", "o-"), ("p99", "x--")):
-            axes[1].plot(xs, [value(r, f"ttft_{q}_ms") for r in rows], style,
-                         label=f"{server} {q}")
-            axes[2].plot(xs, [value(r, f"itl_{q}_ms") for r in rows], style,
-                         label=f"{server} {q}")
+            axes[1].plot(xs, [value(r, f"ttft_{q}_ms") for r in rows], style, label=f"{server} {q}")
+            axes[2].plot(xs, [value(r, f"itl_{q}_ms") for r in rows], style, label=f"{server} {q}")
     titles = ("output tokens/s", "time to first token (ms)", "inter-token latency (ms)")
     for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log", base=2)
@@ -308,19 +374,30 @@ def main() -> None:
     parser.add_argument("--model", help="model directory (default: the ~100M benchmark model)")
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument("--concurrencies", default="1,8,20,64")
-    parser.add_argument("--duration", type=int, default=30,
-                        help="seconds per concurrency (times concurrency/20 above 20)")
+    parser.add_argument(
+        "--duration",
+        type=int,
+        default=30,
+        help="seconds per concurrency (times concurrency/20 above 20)",
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", choices=common.DTYPE_CHOICES, default="float32",
-                        help="weights and activations of both servers")
+    parser.add_argument(
+        "--dtype",
+        choices=common.DTYPE_CHOICES,
+        default="float32",
+        help="weights and activations of both servers",
+    )
     parser.add_argument("--port", type=int, default=8811, help="PagedLLM's; the peer's + 1")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--load-generator", choices=sorted(LOAD_GENERATORS), default="guidellm")
     parser.add_argument("--peers-venv", type=Path, default=DEFAULT_PEERS_VENV)
-    parser.add_argument("--setup-peers", action="store_true",
-                        help="create or update the peers' virtual environment, then exit")
+    parser.add_argument(
+        "--setup-peers",
+        action="store_true",
+        help="create or update the peers' virtual environment, then exit",
+    )
     parser.add_argument("--ready-timeout", type=float, default=300)
     parser.add_argument("--name", default="serving")
     args = parser.parse_args()
@@ -336,17 +413,21 @@ def main() -> None:
         parser.error(f"unknown servers {unknown}; known: {list(SERVERS)}")
     needs_peers = "transformers" in names or args.load_generator == "guidellm"
     if needs_peers and not (args.peers_venv / "bin" / "python").exists():
-        parser.error(f"no peers' virtual environment at {args.peers_venv}: run "
-                     "`python bench/serving.py --setup-peers` once")
+        parser.error(
+            f"no peers' virtual environment at {args.peers_venv}: run "
+            "`python bench/serving.py --setup-peers` once"
+        )
     common.warn_if_busy()
     model = str(common.resolve_model(args.model))
     workdir = common.RESULTS / "tmp" / args.name
     workdir.mkdir(parents=True, exist_ok=True)
     servers = make_servers(args, model, workdir)
     generator = LOAD_GENERATORS[args.load_generator]
-    print(f"model {model}; load generator: {args.load_generator}; prompt {args.prompt_len}, "
-          f"output {args.output_len} tokens; {args.duration} s per concurrency "
-          f"{args.concurrencies}; {args.threads} threads per server")
+    print(
+        f"model {model}; load generator: {args.load_generator}; prompt {args.prompt_len}, "
+        f"output {args.output_len} tokens; {args.duration} s per concurrency "
+        f"{args.concurrencies}; {args.threads} threads per server"
+    )
 
     results: dict[str, list[dict]] = {}
     ready_s: dict[str, float] = {}
@@ -364,13 +445,33 @@ def main() -> None:
     rows = []
     for name, levels in results.items():
         for r in levels:
-            rows.append([name, r["concurrency"], r["requests"], r["errored"],
-                         r["output_tokens_per_s"], r["ttft_p50_ms"], r["ttft_p99_ms"],
-                         r["itl_p50_ms"], r["itl_p99_ms"]])
+            rows.append(
+                [
+                    name,
+                    r["concurrency"],
+                    r["requests"],
+                    r["errored"],
+                    r["output_tokens_per_s"],
+                    r["ttft_p50_ms"],
+                    r["ttft_p99_ms"],
+                    r["itl_p50_ms"],
+                    r["itl_p99_ms"],
+                ]
+            )
     common.print_table(
-        ["server", "concurrency", "requests", "errors", "output tok/s", "TTFT p50 ms",
-         "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"],
-        rows, title=f"Online serving (load generator: {args.load_generator})",
+        [
+            "server",
+            "concurrency",
+            "requests",
+            "errors",
+            "output tok/s",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "ITL p50 ms",
+            "ITL p99 ms",
+        ],
+        rows,
+        title=f"Online serving (load generator: {args.load_generator})",
     )
 
     def at(name: str, c: int) -> dict | None:
@@ -383,12 +484,22 @@ def main() -> None:
     if ours and peer and ours["ttft_p99_ms"] is not None and peer["ttft_p99_ms"] is not None:
         ttft_lower = float(ours["ttft_p99_ms"] < peer["ttft_p99_ms"])
     targets = [
-        common.Target(f"output tokens/s at concurrency {TARGET_CONCURRENCY} vs transformers "
-                      "serve", ratio, TARGET_THROUGHPUT, unit="×"),
-        common.Target(f"p99 TTFT at concurrency {TARGET_CONCURRENCY} lower than transformers "
-                      "serve (1 = yes)", ttft_lower, 1.0,
-                      note=(f"{ours['ttft_p99_ms']:.0f} ms vs {peer['ttft_p99_ms']:.0f} ms"
-                            if ttft_lower is not None else "")),
+        common.Target(
+            f"output tokens/s at concurrency {TARGET_CONCURRENCY} vs transformers serve",
+            ratio,
+            TARGET_THROUGHPUT,
+            unit="×",
+        ),
+        common.Target(
+            f"p99 TTFT at concurrency {TARGET_CONCURRENCY} lower than transformers serve (1 = yes)",
+            ttft_lower,
+            1.0,
+            note=(
+                f"{ours['ttft_p99_ms']:.0f} ms vs {peer['ttft_p99_ms']:.0f} ms"
+                if ttft_lower is not None
+                else ""
+            ),
+        ),
     ]
     common.print_targets(targets)
     data = {
@@ -396,10 +507,13 @@ def main() -> None:
         "machine": common.machine_info(),
         "model": common.model_summary(Path(model)),
         "load_generator": args.load_generator,
-        "workload": {"prompt_len": args.prompt_len, "output_len": args.output_len,
-                     "duration_s": args.duration, "concurrencies": args.concurrencies},
-        "servers": {n: {"command": servers[n].command, "ready_s": ready_s.get(n)}
-                    for n in names},
+        "workload": {
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "duration_s": args.duration,
+            "concurrencies": args.concurrencies,
+        },
+        "servers": {n: {"command": servers[n].command, "ready_s": ready_s.get(n)} for n in names},
         "results": results,
         "targets": [t.to_json() for t in targets],
     }

@@ -1,6 +1,6 @@
 """The targets of the latest results under ``bench/results/`` as one Markdown table.
 
-    python bench/summary.py
+python bench/summary.py
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ def main() -> None:
             value = "n/a" if t["value"] is None else f"{t['value']:.3g}{t['unit']}"
             note = f" ({t['note']})" if t.get("note") else ""
             met = {True: "yes", False: "no", None: "not measured"}[t["met"]]
-            print(f"| {name} | {t['name']} {op} {t['threshold']:g}{t['unit']} | {value}{note} "
-                  f"| {met} | {when} |")
+            print(
+                f"| {name} | {t['name']} {op} {t['threshold']:g}{t['unit']} | {value}{note} "
+                f"| {met} | {when} |"
+            )
 
 
 if __name__ == "__main__":

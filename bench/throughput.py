@@ -41,15 +41,21 @@ def run_pagedllm(model_dir: Path, workload: common.Workload, args: argparse.Name
     from pagedllm import LLM, SamplingParams
 
     max_len = max(len(p) for p in workload.prompts) + max(workload.output_lens)
-    llm = LLM(model=str(model_dir), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_tokens * common.kv_bytes_per_token(model_dir, args.dtype),
-              max_model_len=max_len, enable_prefix_caching=False)
+    llm = LLM(
+        model=str(model_dir),
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_tokens * common.kv_bytes_per_token(model_dir, args.dtype),
+        max_model_len=max_len,
+        enable_prefix_caching=False,
+    )
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in workload.prompts[:2]], warm, use_tqdm=False)
     engine = llm.engine
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-              for n in workload.output_lens]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+    ]
     batches: list[int] = []
     start = time.perf_counter()
     for prompt, sp in zip(workload.prompts, params, strict=True):
@@ -68,9 +74,12 @@ def run_pagedllm(model_dir: Path, workload: common.Workload, args: argparse.Name
         "steps": len(batches),
         "mean_batch": sum(batches) / len(batches),
         "num_preemptions": stats.num_preemptions,
-        "config": {"max_num_seqs": args.max_num_seqs,
-                   "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "num_blocks": engine.runner.num_blocks, "block_size": 16},
+        "config": {
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "num_blocks": engine.runner.num_blocks,
+            "block_size": 16,
+        },
     }
 
 
@@ -91,24 +100,30 @@ def run_hf_generate(model_dir: Path, workload: common.Workload, args: argparse.N
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         return ids, mask
 
     def generate(prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
         ids, mask = batch_inputs(prompts)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
-                                 eos_token_id=None)
-        return out[:, ids.shape[1]:]
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=None,
+            )
+        return out[:, ids.shape[1] :]
 
     generate(workload.prompts[:2], 4)
     computed = 0
     start = time.perf_counter()
     for i in range(0, len(workload.prompts), size):
-        prompts = workload.prompts[i:i + size]
-        longest = max(workload.output_lens[i:i + size])
+        prompts = workload.prompts[i : i + size]
+        longest = max(workload.output_lens[i : i + size])
         out = generate(prompts, longest)
         computed += out.numel()
     elapsed = time.perf_counter() - start
@@ -126,19 +141,26 @@ def run_hf_generate_batch(
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model = _load_hf(model_dir, args.dtype)
-    config = GenerationConfig(max_new_tokens=max(workload.output_lens), do_sample=False,
-                              eos_token_id=-1)
+    config = GenerationConfig(
+        max_new_tokens=max(workload.output_lens), do_sample=False, eos_token_id=-1
+    )
     page_size = ContinuousBatchingConfig().page_size
     cb_config = ContinuousBatchingConfig(num_blocks=args.kv_tokens // page_size)
-    model.generate_batch([workload.prompts[0]], generation_config=config, max_new_tokens=4,
-                         continuous_batching_config=cb_config)
+    model.generate_batch(
+        [workload.prompts[0]],
+        generation_config=config,
+        max_new_tokens=4,
+        continuous_batching_config=cb_config,
+    )
     generated = 0
     with model.continuous_batching_context_manager(
         generation_config=config, continuous_batching_config=cb_config
     ) as manager:
         start = time.perf_counter()
-        ids = [manager.add_request(prompt, max_new_tokens=n, eos_token_id=-1)
-               for prompt, n in zip(workload.prompts, workload.output_lens, strict=True)]
+        ids = [
+            manager.add_request(prompt, max_new_tokens=n, eos_token_id=-1)
+            for prompt, n in zip(workload.prompts, workload.output_lens, strict=True)
+        ]
         pending = set(ids)
         while pending:
             result = manager.get_result(timeout=1)
@@ -151,9 +173,12 @@ def run_hf_generate_batch(
                 generated += len(result.generated_tokens)
         elapsed = time.perf_counter() - start
         cb = manager.continuous_batching_config
-        config_used = {"page_size": cb.page_size, "num_blocks": cb.num_blocks,
-                       "max_batch_tokens": cb.max_batch_tokens,
-                       "attn_implementation": model.config._attn_implementation}
+        config_used = {
+            "page_size": cb.page_size,
+            "num_blocks": cb.num_blocks,
+            "max_batch_tokens": cb.max_batch_tokens,
+            "attn_implementation": model.config._attn_implementation,
+        }
     return {"elapsed_s": elapsed, "output_tokens": generated, "config": config_used}
 
 
@@ -188,8 +213,9 @@ def plot(results: dict[str, dict], name: str) -> Path:
     values = [results[n]["tokens_per_s"] for n in names]
     bars = ax.bar(names, values, color=["tab:green", "tab:blue", "tab:orange"][: len(names)])
     for bar, value in zip(bars, values, strict=True):
-        ax.annotate(f"{value:,.0f}", (bar.get_x() + bar.get_width() / 2, value),
-                    ha="center", va="bottom")
+        ax.annotate(
+            f"{value:,.0f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom"
+        )
     ax.set_ylabel("output tokens/s")
     ax.set_title("Offline throughput, same model, machine and threads")
     return common.save_figure(fig, name)
@@ -201,14 +227,21 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", choices=common.DTYPE_CHOICES, default="float32",
-                        help="weights, activations and KV cache of every engine")
+    parser.add_argument(
+        "--dtype",
+        choices=common.DTYPE_CHOICES,
+        default="float32",
+        help="weights, activations and KV cache of every engine",
+    )
     parser.add_argument("--engines", default=",".join(ENGINES))
-    parser.add_argument("--kv-tokens", type=int, default=16384,
-                        help="KV memory of every engine, in token slots")
-    parser.add_argument("--hf-batch-size", type=int,
-                        help="static batch size of hf-generate (default: what --kv-tokens "
-                             "holds)")
+    parser.add_argument(
+        "--kv-tokens", type=int, default=16384, help="KV memory of every engine, in token slots"
+    )
+    parser.add_argument(
+        "--hf-batch-size",
+        type=int,
+        help="static batch size of hf-generate (default: what --kv-tokens holds)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -226,17 +259,23 @@ def main() -> None:
     model_dir = common.resolve_model(args.model)
     summary = common.model_summary(model_dir)
     workload = common.make_workload(
-        args.num_requests, common.vocab_size(model_dir), args.seed,
-        prompt_len=args.prompt_len, prompt_spread=min(50, args.prompt_len - 1),
-        output_len=args.output_len, output_spread=min(100, args.output_len - 1),
+        args.num_requests,
+        common.vocab_size(model_dir),
+        args.seed,
+        prompt_len=args.prompt_len,
+        prompt_spread=min(50, args.prompt_len - 1),
+        output_len=args.output_len,
+        output_spread=min(100, args.output_len - 1),
     )
     kv_mib = args.kv_tokens * common.kv_bytes_per_token(model_dir, args.dtype) / 2**20
-    print(f"model: {summary['parameters'] / 1e6:.0f}M parameters, {args.dtype}; "
-          f"{args.num_requests} requests, "
-          f"{workload.num_prompt_tokens} prompt and {workload.num_output_tokens} output tokens; "
-          f"{args.threads} threads; KV memory {args.kv_tokens} token slots "
-          f"({kv_mib:.0f} MiB), hf-generate "
-          f"batch {args.hf_batch_size or hf_static_batch(workload, args.kv_tokens)}")
+    print(
+        f"model: {summary['parameters'] / 1e6:.0f}M parameters, {args.dtype}; "
+        f"{args.num_requests} requests, "
+        f"{workload.num_prompt_tokens} prompt and {workload.num_output_tokens} output tokens; "
+        f"{args.threads} threads; KV memory {args.kv_tokens} token slots "
+        f"({kv_mib:.0f} MiB), hf-generate "
+        f"batch {args.hf_batch_size or hf_static_batch(workload, args.kv_tokens)}"
+    )
 
     results: dict[str, dict] = {}
     for engine in engines:
@@ -244,27 +283,41 @@ def main() -> None:
         result = RUNNERS[engine](model_dir, workload, args)
         result["tokens_per_s"] = result["output_tokens"] / result["elapsed_s"]
         results[engine] = result
-        print(f"  {result['tokens_per_s']:,.1f} tokens/s in {result['elapsed_s']:.1f} s",
-              flush=True)
+        print(
+            f"  {result['tokens_per_s']:,.1f} tokens/s in {result['elapsed_s']:.1f} s", flush=True
+        )
         gc.collect()
 
     ours = results.get("pagedllm")
     if ours is not None and not args.no_roofline:
-        ours["roofline"] = roofline_fraction(summary, ours["mean_batch"], ours["tokens_per_s"],
-                                             args.dtype)
+        ours["roofline"] = roofline_fraction(
+            summary, ours["mean_batch"], ours["tokens_per_s"], args.dtype
+        )
 
     rows = []
     for engine, r in results.items():
         ratio = ours["tokens_per_s"] / r["tokens_per_s"] if ours else None
-        rows.append([engine, r["output_tokens"], r["elapsed_s"], r["tokens_per_s"],
-                     None if engine == "pagedllm" else ratio])
-    common.print_table(["engine", "output tokens", "seconds", "tokens/s", "PagedLLM ×"], rows,
-                       title="Offline throughput")
+        rows.append(
+            [
+                engine,
+                r["output_tokens"],
+                r["elapsed_s"],
+                r["tokens_per_s"],
+                None if engine == "pagedllm" else ratio,
+            ]
+        )
+    common.print_table(
+        ["engine", "output tokens", "seconds", "tokens/s", "PagedLLM ×"],
+        rows,
+        title="Offline throughput",
+    )
     if ours and "roofline" in ours:
         rf = ours["roofline"]
-        print(f"\nPagedLLM: mean batch {ours['mean_batch']:.1f}; matmul roofline at batch "
-              f"{rf['batch']}: {rf['bound_tokens_per_s']:,.0f} tokens/s; reached "
-              f"{rf['fraction']:.0%}")
+        print(
+            f"\nPagedLLM: mean batch {ours['mean_batch']:.1f}; matmul roofline at batch "
+            f"{rf['batch']}: {rf['bound_tokens_per_s']:,.0f} tokens/s; reached "
+            f"{rf['fraction']:.0%}"
+        )
 
     def ratio_to(engine: str) -> float | None:
         if ours is None or engine not in results:
@@ -272,19 +325,30 @@ def main() -> None:
         return ours["tokens_per_s"] / results[engine]["tokens_per_s"]
 
     targets = [
-        common.Target("throughput vs HF generate (static batching)", ratio_to("hf-generate"),
-                      TARGET_VS_GENERATE, unit="×"),
-        common.Target("throughput vs HF generate_batch (continuous batching)",
-                      ratio_to("hf-generate-batch"), TARGET_VS_GENERATE_BATCH, unit="×"),
+        common.Target(
+            "throughput vs HF generate (static batching)",
+            ratio_to("hf-generate"),
+            TARGET_VS_GENERATE,
+            unit="×",
+        ),
+        common.Target(
+            "throughput vs HF generate_batch (continuous batching)",
+            ratio_to("hf-generate-batch"),
+            TARGET_VS_GENERATE_BATCH,
+            unit="×",
+        ),
     ]
     common.print_targets(targets)
     data = {
         "benchmark": "throughput",
         "machine": common.machine_info(),
         "model": summary,
-        "workload": workload.spec | {"seed": args.seed,
-                                     "prompt_tokens": workload.num_prompt_tokens,
-                                     "output_tokens": workload.num_output_tokens},
+        "workload": workload.spec
+        | {
+            "seed": args.seed,
+            "prompt_tokens": workload.num_prompt_tokens,
+            "output_tokens": workload.num_output_tokens,
+        },
         "results": results,
         "targets": [t.to_json() for t in targets],
     }

@@ -28,8 +28,10 @@ import httpx
 import openai
 
 PROMPT = "Once upon a time, in a cluster far away,"
-CHAT = [{"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "Say something about paged attention."}]
+CHAT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Say something about paged attention."},
+]
 MAX_TOKENS = 24
 
 
@@ -37,12 +39,17 @@ class CheckFailed(AssertionError):
     pass
 
 
-def client(base_url: str, api_key: str | None, *, retries: int = 0,
-           timeout: float = 120.0) -> openai.OpenAI:
+def client(
+    base_url: str, api_key: str | None, *, retries: int = 0, timeout: float = 120.0
+) -> openai.OpenAI:
     """No retries by default: a request that fails is counted, not hidden by the SDK."""
-    return openai.OpenAI(base_url=base_url, api_key=api_key or "unused", max_retries=retries,
-                         timeout=timeout,
-                         http_client=httpx.Client(trust_env=False, timeout=timeout))
+    return openai.OpenAI(
+        base_url=base_url,
+        api_key=api_key or "unused",
+        max_retries=retries,
+        timeout=timeout,
+        http_client=httpx.Client(trust_env=False, timeout=timeout),
+    )
 
 
 def _expect(condition: bool, message: str) -> None:
@@ -57,23 +64,28 @@ def check_models(api: openai.OpenAI, model: str) -> str:
 
 
 def check_completion(api: openai.OpenAI, model: str) -> str:
-    response = api.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                      temperature=0)
+    response = api.completions.create(
+        model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0
+    )
     choice = response.choices[0]
     _expect(response.model == model, f"response names model {response.model!r}")
     _expect(bool(choice.text), "empty completion")
     _expect(choice.finish_reason in ("stop", "length"), f"finish_reason {choice.finish_reason}")
     usage = response.usage
-    _expect(usage is not None and 0 < usage.completion_tokens <= MAX_TOKENS,
-            f"usage {usage}")
+    _expect(usage is not None and 0 < usage.completion_tokens <= MAX_TOKENS, f"usage {usage}")
     return f"{usage.completion_tokens} tokens, finish_reason {choice.finish_reason}"
 
 
 def check_completion_stream(api: openai.OpenAI, model: str) -> str:
     pieces, finish, usage = [], None, None
-    stream = api.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                    temperature=0, stream=True,
-                                    stream_options={"include_usage": True})
+    stream = api.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -84,26 +96,28 @@ def check_completion_stream(api: openai.OpenAI, model: str) -> str:
     _expect(len([p for p in pieces if p]) > 1, f"expected several SSE chunks, got {pieces}")
     _expect(bool(text), "empty streamed completion")
     _expect(finish in ("stop", "length"), f"stream ended without finish_reason ({finish})")
-    _expect(usage is not None and 0 < usage.completion_tokens <= MAX_TOKENS,
-            f"usage chunk {usage}")
+    _expect(usage is not None and 0 < usage.completion_tokens <= MAX_TOKENS, f"usage chunk {usage}")
     return f"{len(pieces)} chunks, {usage.completion_tokens} tokens"
 
 
 def check_chat(api: openai.OpenAI, model: str) -> str:
-    response = api.chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS,
-                                           temperature=0.7, seed=1)
+    response = api.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0.7, seed=1
+    )
     message = response.choices[0].message
     _expect(message.role == "assistant", f"role {message.role}")
     _expect(bool(message.content), "empty chat answer")
-    _expect(response.usage is not None and response.usage.prompt_tokens > 0,
-            f"usage {response.usage}")
+    _expect(
+        response.usage is not None and response.usage.prompt_tokens > 0, f"usage {response.usage}"
+    )
     return f"{response.usage.completion_tokens} tokens"
 
 
 def check_chat_stream(api: openai.OpenAI, model: str) -> str:
     roles, pieces, finish = [], [], None
-    stream = api.chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS,
-                                         stream=True)
+    stream = api.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=MAX_TOKENS, stream=True
+    )
     for chunk in stream:
         for choice in chunk.choices:
             if choice.delta.role:
@@ -135,8 +149,9 @@ CHECKS: list[tuple[str, Callable[[openai.OpenAI, str], str]]] = [
 ]
 
 
-def run_checks(base_url: str, model: str, api_key: str | None = None,
-               log: Callable[[str], None] = print) -> None:
+def run_checks(
+    base_url: str, model: str, api_key: str | None = None, log: Callable[[str], None] = print
+) -> None:
     """Every check once; raises CheckFailed naming the first that failed."""
     with client(base_url, api_key) as api:
         for name, check in CHECKS:
@@ -160,8 +175,14 @@ class KeepStreaming:
     every request that does not end with a finish_reason counts as failed. With
     `ignore_eos`, each stream runs its full `max_tokens`."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None,
-                 max_tokens: int = MAX_TOKENS, ignore_eos: bool = False):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        max_tokens: int = MAX_TOKENS,
+        ignore_eos: bool = False,
+    ):
         self.api = client(base_url, api_key)
         self.model = model
         self.max_tokens = max_tokens
@@ -200,16 +221,24 @@ class KeepStreaming:
         tokens, finish = 0, None
         if chat:
             stream = self.api.chat.completions.create(
-                model=self.model, messages=CHAT, max_tokens=self.max_tokens, stream=True,
-                extra_body=self.extra_body)
+                model=self.model,
+                messages=CHAT,
+                max_tokens=self.max_tokens,
+                stream=True,
+                extra_body=self.extra_body,
+            )
             for chunk in stream:
                 for choice in chunk.choices:
                     tokens += bool(choice.delta.content)
                     finish = choice.finish_reason or finish
         else:
             stream = self.api.completions.create(
-                model=self.model, prompt=PROMPT, max_tokens=self.max_tokens, stream=True,
-                extra_body=self.extra_body)
+                model=self.model,
+                prompt=PROMPT,
+                max_tokens=self.max_tokens,
+                stream=True,
+                extra_body=self.extra_body,
+            )
             for chunk in stream:
                 for choice in chunk.choices:
                     tokens += bool(choice.text)
@@ -222,14 +251,22 @@ class Load:
     than a pod's batch holds, so they queue (vllm:num_requests_waiting rises). Stopping
     closes the open streams, which cancels their requests on the server."""
 
-    def __init__(self, base_url: str, model: str, concurrency: int, api_key: str | None = None,
-                 max_tokens: int = 512):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        concurrency: int,
+        api_key: str | None = None,
+        max_tokens: int = 512,
+    ):
         self.base_url, self.model, self.api_key = base_url, model, api_key
         self.max_tokens = max_tokens
         self.stats = StreamStats()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, name=f"load-{i}", daemon=True)
-                         for i in range(concurrency)]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"load-{i}", daemon=True)
+            for i in range(concurrency)
+        ]
 
     def __enter__(self) -> Load:
         for thread in self._threads:
@@ -251,8 +288,12 @@ class Load:
             while not self._stop.is_set():
                 try:
                     stream = api.completions.create(
-                        model=self.model, prompt=PROMPT, max_tokens=self.max_tokens,
-                        stream=True, extra_body={"ignore_eos": True})
+                        model=self.model,
+                        prompt=PROMPT,
+                        max_tokens=self.max_tokens,
+                        stream=True,
+                        extra_body={"ignore_eos": True},
+                    )
                     with stream:
                         for chunk in stream:
                             self.stats.tokens += len(chunk.choices)
@@ -280,16 +321,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", required=True, help="OpenAI base URL, ending in /v1")
     parser.add_argument("--model", required=True, help="the served model name")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                        help="API key, if the PagedLLM has apiKeySecretRef "
-                             "(default: $OPENAI_API_KEY)")
-    parser.add_argument("--stream-for", type=float, metavar="SECONDS",
-                        help="then keep streaming this long (or until SIGTERM) and fail on "
-                             "any failed request")
-    parser.add_argument("--load", type=int, metavar="CONCURRENCY",
-                        help="instead of the checks, generate load from this many clients")
-    parser.add_argument("--duration", type=float, default=60.0, metavar="SECONDS",
-                        help="how long --load runs (or until SIGTERM; default 60)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="API key, if the PagedLLM has apiKeySecretRef (default: $OPENAI_API_KEY)",
+    )
+    parser.add_argument(
+        "--stream-for",
+        type=float,
+        metavar="SECONDS",
+        help="then keep streaming this long (or until SIGTERM) and fail on any failed request",
+    )
+    parser.add_argument(
+        "--load",
+        type=int,
+        metavar="CONCURRENCY",
+        help="instead of the checks, generate load from this many clients",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long --load runs (or until SIGTERM; default 60)",
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupted)
 
@@ -297,12 +352,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load: {args.load} clients for {args.duration:g}s", flush=True)
         with Load(args.base_url, args.model, args.load, args.api_key) as load:
             _run_for(args.duration)
-        print(f"load: {load.stats.requests} requests, {load.stats.tokens} tokens, "
-              f"{len(load.stats.failures)} failed", flush=True)
+        print(
+            f"load: {load.stats.requests} requests, {load.stats.tokens} tokens, "
+            f"{len(load.stats.failures)} failed",
+            flush=True,
+        )
         return 0
     try:
-        run_checks(args.base_url, args.model, args.api_key,
-                   log=lambda line: print(line, flush=True))
+        run_checks(
+            args.base_url, args.model, args.api_key, log=lambda line: print(line, flush=True)
+        )
     except CheckFailed as error:
         print(f"FAILED: {error}", file=sys.stderr)
         return 1
@@ -310,8 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         with KeepStreaming(args.base_url, args.model, args.api_key) as streaming:
             _run_for(args.stream_for)
         stats = streaming.stats
-        print(f"streamed {stats.requests} requests ({stats.tokens} tokens), "
-              f"{len(stats.failures)} failed", flush=True)
+        print(
+            f"streamed {stats.requests} requests ({stats.tokens} tokens), "
+            f"{len(stats.failures)} failed",
+            flush=True,
+        )
         for failure in stats.failures:
             print(f"  {failure}", file=sys.stderr)
         if stats.failures or not stats.requests:

@@ -19,7 +19,11 @@ import jsonschema
 # The keys of a structural schema that jsonschema must not interpret (Kubernetes extensions
 # and OpenAPI-only words); the rest is plain JSON Schema.
 _KUBERNETES_ONLY_KEYS = {
-    "nullable", "default", "example", "externalDocs", "x-kubernetes-validations",
+    "nullable",
+    "default",
+    "example",
+    "externalDocs",
+    "x-kubernetes-validations",
 }
 
 
@@ -128,9 +132,7 @@ def schema_errors(schema: dict[str, Any], value: Any) -> list[FieldError]:
     validator = jsonschema.Draft7Validator(_as_json_schema(schema))
     errors = []
     for error in sorted(validator.iter_errors(value), key=lambda e: list(e.path)):
-        path = "".join(
-            f"[{part}]" if isinstance(part, int) else f".{part}" for part in error.path
-        )
+        path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error.path)
         errors.append(FieldError(path or ".", error.message))
     return errors
 
@@ -167,11 +169,14 @@ def _cel_value(schema: dict[str, Any], value: Any) -> Any:
     if isinstance(value, dict):
         properties = schema.get("properties", {})
         extra = schema.get("additionalProperties")
-        return celtypes.MapType({
-            celtypes.StringType(key): _cel_value(
-                properties.get(key) or (extra if isinstance(extra, dict) else {}), item)
-            for key, item in value.items()
-        })
+        return celtypes.MapType(
+            {
+                celtypes.StringType(key): _cel_value(
+                    properties.get(key) or (extra if isinstance(extra, dict) else {}), item
+                )
+                for key, item in value.items()
+            }
+        )
     if isinstance(value, list):
         items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
         return celtypes.ListType([_cel_value(items, item) for item in value])

@@ -39,14 +39,18 @@ def is_terminating(obj: Mapping[str, Any]) -> bool:
 def is_pod_ready(pod: Mapping[str, Any]) -> bool:
     if is_terminating(pod):
         return False
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
 
 
 def owned_by(obj: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
     uid = owner["metadata"]["uid"]
-    return any(ref.get("uid") == uid and ref.get("controller")
-               for ref in obj["metadata"].get("ownerReferences") or [])
+    return any(
+        ref.get("uid") == uid and ref.get("controller")
+        for ref in obj["metadata"].get("ownerReferences") or []
+    )
 
 
 def template_hash(template: Mapping[str, Any]) -> str:
@@ -72,8 +76,13 @@ class ReplicaSetView:
     available: int
 
 
-def rolling_update(desired: int, max_surge: int, max_unavailable: int, new: ReplicaSetView,
-                   old: Sequence[ReplicaSetView]) -> dict[str, int]:
+def rolling_update(
+    desired: int,
+    max_surge: int,
+    max_unavailable: int,
+    new: ReplicaSetView,
+    old: Sequence[ReplicaSetView],
+) -> dict[str, int]:
     """The replica counts RollingUpdate sets now, by ReplicaSet name (oldest old first)."""
     if max_surge == 0 and max_unavailable == 0:
         max_unavailable = 1  # as the API server's defaulting would insist
@@ -111,33 +120,46 @@ def rolling_update(desired: int, max_surge: int, max_unavailable: int, new: Repl
     return targets
 
 
-def recreate(desired: int, new: ReplicaSetView, old: Sequence[ReplicaSetView],
-             old_pods_left: int) -> dict[str, int]:
+def recreate(
+    desired: int, new: ReplicaSetView, old: Sequence[ReplicaSetView], old_pods_left: int
+) -> dict[str, int]:
     """Recreate: old ReplicaSets to zero; the new one grows once every old pod is gone."""
     targets = {rs.name: 0 for rs in old}
     targets[new.name] = desired if old_pods_left == 0 else new.replicas
     return targets
 
 
-def _condition(previous: Sequence[Mapping[str, Any]], kind: str, status: bool, reason: str,
-               message: str, now: str) -> dict[str, Any]:
+def _condition(
+    previous: Sequence[Mapping[str, Any]],
+    kind: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: str,
+) -> dict[str, Any]:
     before = next((c for c in previous if c.get("type") == kind), None)
     text = "True" if status else "False"
     unchanged = before is not None and before.get("status") == text
     same_reason = unchanged and before.get("reason") == reason
     return {
-        "type": kind, "status": text, "reason": reason, "message": message,
+        "type": kind,
+        "status": text,
+        "reason": reason,
+        "message": message,
         "lastTransitionTime": before["lastTransitionTime"] if unchanged else now,
         "lastUpdateTime": before.get("lastUpdateTime", now) if same_reason else now,
     }
 
 
-def deployment_status(deployment: Mapping[str, Any], new_name: str,
-                      pods_by_rs: Mapping[str, Sequence[Mapping[str, Any]]],
-                      max_unavailable: int, now: str) -> dict[str, Any]:
+def deployment_status(
+    deployment: Mapping[str, Any],
+    new_name: str,
+    pods_by_rs: Mapping[str, Sequence[Mapping[str, Any]]],
+    max_unavailable: int,
+    now: str,
+) -> dict[str, Any]:
     desired = deployment["spec"].get("replicas", 1)
-    active = {name: [p for p in pods if not is_terminating(p)]
-              for name, pods in pods_by_rs.items()}
+    active = {name: [p for p in pods if not is_terminating(p)] for name, pods in pods_by_rs.items()}
     replicas = sum(len(pods) for pods in active.values())
     updated = len(active.get(new_name, []))
     ready = sum(1 for pods in active.values() for pod in pods if is_pod_ready(pod))
@@ -145,14 +167,26 @@ def deployment_status(deployment: Mapping[str, Any], new_name: str,
     previous = (deployment.get("status") or {}).get("conditions") or []
     minimum = ready >= desired - max_unavailable
     conditions = [
-        _condition(previous, "Available", minimum,
-                   "MinimumReplicasAvailable" if minimum else "MinimumReplicasUnavailable",
-                   "Deployment has minimum availability." if minimum
-                   else "Deployment does not have minimum availability.", now),
-        _condition(previous, "Progressing", True,
-                   "NewReplicaSetAvailable" if complete else "ReplicaSetUpdated",
-                   f'ReplicaSet "{new_name}" has successfully progressed.' if complete
-                   else f'ReplicaSet "{new_name}" is progressing.', now),
+        _condition(
+            previous,
+            "Available",
+            minimum,
+            "MinimumReplicasAvailable" if minimum else "MinimumReplicasUnavailable",
+            "Deployment has minimum availability."
+            if minimum
+            else "Deployment does not have minimum availability.",
+            now,
+        ),
+        _condition(
+            previous,
+            "Progressing",
+            True,
+            "NewReplicaSetAvailable" if complete else "ReplicaSetUpdated",
+            f'ReplicaSet "{new_name}" has successfully progressed.'
+            if complete
+            else f'ReplicaSet "{new_name}" is progressing.',
+            now,
+        ),
     ]
     status = {
         "observedGeneration": deployment["metadata"].get("generation", 1),
@@ -168,8 +202,10 @@ def deployment_status(deployment: Mapping[str, Any], new_name: str,
 
 def _without_times(status: Mapping[str, Any] | None) -> dict[str, Any]:
     status = dict(status or {})
-    status["conditions"] = [{k: v for k, v in c.items() if not k.startswith("last")}
-                            for c in status.get("conditions") or []]
+    status["conditions"] = [
+        {k: v for k, v in c.items() if not k.startswith("last")}
+        for c in status.get("conditions") or []
+    ]
     return status
 
 
@@ -178,9 +214,11 @@ def pods_to_delete(pods: Sequence[Mapping[str, Any]], count: int) -> list[Mappin
     if count <= 0:
         return []
     not_ready = [p for p in pods if not is_pod_ready(p)]
-    ready = sorted((p for p in pods if is_pod_ready(p)),
-                   key=lambda p: (p["metadata"]["creationTimestamp"], p["metadata"]["name"]),
-                   reverse=True)
+    ready = sorted(
+        (p for p in pods if is_pod_ready(p)),
+        key=lambda p: (p["metadata"]["creationTimestamp"], p["metadata"]["name"]),
+        reverse=True,
+    )
     return [*not_ready, *ready][:count]
 
 
@@ -207,26 +245,41 @@ class DeploymentStandin:
             if not is_terminating(rs):
                 await self._sync_replica_set(rs, [p for p in pods if owned_by(p, rs)])
 
-    async def _sync_deployment(self, deployment: dict[str, Any], owned: list[dict[str, Any]],
-                               pods: list[dict[str, Any]], now: str) -> None:
+    async def _sync_deployment(
+        self,
+        deployment: dict[str, Any],
+        owned: list[dict[str, Any]],
+        pods: list[dict[str, Any]],
+        now: str,
+    ) -> None:
         spec = deployment["spec"]
         desired = spec.get("replicas", 1)
         digest = template_hash(spec["template"])
-        new = next((rs for rs in owned
-                    if rs["metadata"].get("labels", {}).get(POD_TEMPLATE_HASH) == digest), None)
+        new = next(
+            (
+                rs
+                for rs in owned
+                if rs["metadata"].get("labels", {}).get(POD_TEMPLATE_HASH) == digest
+            ),
+            None,
+        )
         if new is None:
             new = await self._create_replica_set(deployment, digest, owned)
             owned = [*owned, new]
-        old = sorted((rs for rs in owned if rs is not new),
-                     key=lambda rs: int(rs["metadata"].get("annotations", {}).get(
-                         REVISION_ANNOTATION, "0")))
-        pods_by_rs = {rs["metadata"]["name"]: [p for p in pods if owned_by(p, rs)]
-                      for rs in owned}
+        old = sorted(
+            (rs for rs in owned if rs is not new),
+            key=lambda rs: int(rs["metadata"].get("annotations", {}).get(REVISION_ANNOTATION, "0")),
+        )
+        pods_by_rs = {rs["metadata"]["name"]: [p for p in pods if owned_by(p, rs)] for rs in owned}
 
         def view(rs: dict[str, Any]) -> ReplicaSetView:
             mine = [p for p in pods_by_rs[rs["metadata"]["name"]] if not is_terminating(p)]
-            return ReplicaSetView(rs["metadata"]["name"], rs["spec"].get("replicas", 0),
-                                  len(mine), sum(1 for p in mine if is_pod_ready(p)))
+            return ReplicaSetView(
+                rs["metadata"]["name"],
+                rs["spec"].get("replicas", 0),
+                len(mine),
+                sum(1 for p in mine if is_pod_ready(p)),
+            )
 
         strategy = spec.get("strategy") or {}
         max_unavailable = 0
@@ -236,31 +289,43 @@ class DeploymentStandin:
         else:
             rolling = strategy.get("rollingUpdate") or {}
             max_surge = resolve_count(rolling.get("maxSurge", "25%"), desired, round_up=True)
-            max_unavailable = resolve_count(rolling.get("maxUnavailable", "25%"), desired,
-                                            round_up=False)
-            targets = rolling_update(desired, max_surge, max_unavailable, view(new),
-                                     [view(rs) for rs in old])
+            max_unavailable = resolve_count(
+                rolling.get("maxUnavailable", "25%"), desired, round_up=False
+            )
+            targets = rolling_update(
+                desired, max_surge, max_unavailable, view(new), [view(rs) for rs in old]
+            )
         for rs in owned:
             name = rs["metadata"]["name"]
             if targets.get(name, 0) != rs["spec"].get("replicas", 0):
                 rs["spec"]["replicas"] = targets[name]
-                await self.kube.merge_patch(self._path("apps/v1", "replicasets", name),
-                                            {"spec": {"replicas": targets[name]}})
-        status = deployment_status(deployment, new["metadata"]["name"], pods_by_rs,
-                                   max_unavailable, now)
+                await self.kube.merge_patch(
+                    self._path("apps/v1", "replicasets", name),
+                    {"spec": {"replicas": targets[name]}},
+                )
+        status = deployment_status(
+            deployment, new["metadata"]["name"], pods_by_rs, max_unavailable, now
+        )
         if _without_times(status) != _without_times(deployment.get("status")):
             await self.kube.merge_patch(
                 self._path("apps/v1", "deployments", deployment["metadata"]["name"], "status"),
-                {"status": status})
+                {"status": status},
+            )
 
-    async def _create_replica_set(self, deployment: dict[str, Any], digest: str,
-                                  owned: list[dict[str, Any]]) -> dict[str, Any]:
+    async def _create_replica_set(
+        self, deployment: dict[str, Any], digest: str, owned: list[dict[str, Any]]
+    ) -> dict[str, Any]:
         metadata = deployment["metadata"]
         template = json.loads(json.dumps(deployment["spec"]["template"]))
         labels = {**template["metadata"].get("labels", {}), POD_TEMPLATE_HASH: digest}
         template["metadata"]["labels"] = labels
-        revision = 1 + max((int(rs["metadata"].get("annotations", {}).get(
-            REVISION_ANNOTATION, "0")) for rs in owned), default=0)
+        revision = 1 + max(
+            (
+                int(rs["metadata"].get("annotations", {}).get(REVISION_ANNOTATION, "0"))
+                for rs in owned
+            ),
+            default=0,
+        )
         selector = json.loads(json.dumps(deployment["spec"]["selector"]))
         selector.setdefault("matchLabels", {})[POD_TEMPLATE_HASH] = digest
         body = {
@@ -271,10 +336,16 @@ class DeploymentStandin:
                 "namespace": self.namespace,
                 "labels": labels,
                 "annotations": {REVISION_ANNOTATION: str(revision)},
-                "ownerReferences": [{
-                    "apiVersion": "apps/v1", "kind": "Deployment", "name": metadata["name"],
-                    "uid": metadata["uid"], "controller": True, "blockOwnerDeletion": True,
-                }],
+                "ownerReferences": [
+                    {
+                        "apiVersion": "apps/v1",
+                        "kind": "Deployment",
+                        "name": metadata["name"],
+                        "uid": metadata["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
             },
             "spec": {"replicas": 0, "selector": selector, "template": template},
         }
@@ -288,13 +359,18 @@ class DeploymentStandin:
         for pod in pods_to_delete(active, len(active) - wanted):
             await self.kube.delete(self._path("v1", "pods", pod["metadata"]["name"]))
         ready = sum(1 for p in active if is_pod_ready(p))
-        status = {"replicas": len(active), "fullyLabeledReplicas": len(active),
-                  "readyReplicas": ready, "availableReplicas": ready,
-                  "observedGeneration": rs["metadata"].get("generation", 1)}
+        status = {
+            "replicas": len(active),
+            "fullyLabeledReplicas": len(active),
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "observedGeneration": rs["metadata"].get("generation", 1),
+        }
         if status != {k: (rs.get("status") or {}).get(k, 0) for k in status}:
             await self.kube.merge_patch(
                 self._path("apps/v1", "replicasets", rs["metadata"]["name"], "status"),
-                {"status": status})
+                {"status": status},
+            )
 
     async def _create_pod(self, rs: dict[str, Any]) -> None:
         template = rs["spec"]["template"]
@@ -308,10 +384,16 @@ class DeploymentStandin:
                 "labels": dict(template["metadata"].get("labels", {})),
                 "annotations": dict(template["metadata"].get("annotations", {})),
                 "finalizers": [KUBELET_FINALIZER],
-                "ownerReferences": [{
-                    "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": metadata["name"],
-                    "uid": metadata["uid"], "controller": True, "blockOwnerDeletion": True,
-                }],
+                "ownerReferences": [
+                    {
+                        "apiVersion": "apps/v1",
+                        "kind": "ReplicaSet",
+                        "name": metadata["name"],
+                        "uid": metadata["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
             },
             "spec": {**template["spec"], "nodeName": "local"},
         }

@@ -109,40 +109,90 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
     ResourceType("", "v1", "services", "Service", short_names=("svc",), categories=("all",)),
     ResourceType("", "v1", "endpoints", "Endpoints", short_names=("ep",), subresources=frozenset()),
     ResourceType("", "v1", "secrets", "Secret", subresources=frozenset()),
-    ResourceType("", "v1", "configmaps", "ConfigMap", short_names=("cm",),
-                 subresources=frozenset()),
-    ResourceType("", "v1", "serviceaccounts", "ServiceAccount", short_names=("sa",),
-                 subresources=frozenset()),
-    ResourceType("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim",
-                 short_names=("pvc",)),
+    ResourceType(
+        "", "v1", "configmaps", "ConfigMap", short_names=("cm",), subresources=frozenset()
+    ),
+    ResourceType(
+        "", "v1", "serviceaccounts", "ServiceAccount", short_names=("sa",), subresources=frozenset()
+    ),
+    ResourceType("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", short_names=("pvc",)),
     ResourceType("", "v1", "events", "Event", short_names=("ev",), subresources=frozenset()),
-    ResourceType("apps", "v1", "deployments", "Deployment", short_names=("deploy",),
-                 categories=("all",), subresources=frozenset({"status", "scale"}),
-                 scale=_APPS_SCALE),
-    ResourceType("apps", "v1", "replicasets", "ReplicaSet", short_names=("rs",),
-                 categories=("all",), subresources=frozenset({"status", "scale"}),
-                 scale=_APPS_SCALE),
-    ResourceType("apps", "v1", "statefulsets", "StatefulSet", short_names=("sts",),
-                 categories=("all",), subresources=frozenset({"status", "scale"}),
-                 scale=_APPS_SCALE),
-    ResourceType("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget",
-                 short_names=("pdb",)),
-    ResourceType("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler",
-                 short_names=("hpa",), categories=("all",)),
-    ResourceType("apiextensions.k8s.io", "v1", "customresourcedefinitions",
-                 "CustomResourceDefinition", namespaced=False, short_names=("crd", "crds")),
-    ResourceType("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole",
-                 namespaced=False, subresources=frozenset()),
-    ResourceType("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding",
-                 namespaced=False, subresources=frozenset()),
+    ResourceType(
+        "apps",
+        "v1",
+        "deployments",
+        "Deployment",
+        short_names=("deploy",),
+        categories=("all",),
+        subresources=frozenset({"status", "scale"}),
+        scale=_APPS_SCALE,
+    ),
+    ResourceType(
+        "apps",
+        "v1",
+        "replicasets",
+        "ReplicaSet",
+        short_names=("rs",),
+        categories=("all",),
+        subresources=frozenset({"status", "scale"}),
+        scale=_APPS_SCALE,
+    ),
+    ResourceType(
+        "apps",
+        "v1",
+        "statefulsets",
+        "StatefulSet",
+        short_names=("sts",),
+        categories=("all",),
+        subresources=frozenset({"status", "scale"}),
+        scale=_APPS_SCALE,
+    ),
+    ResourceType(
+        "policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", short_names=("pdb",)
+    ),
+    ResourceType(
+        "autoscaling",
+        "v2",
+        "horizontalpodautoscalers",
+        "HorizontalPodAutoscaler",
+        short_names=("hpa",),
+        categories=("all",),
+    ),
+    ResourceType(
+        "apiextensions.k8s.io",
+        "v1",
+        "customresourcedefinitions",
+        "CustomResourceDefinition",
+        namespaced=False,
+        short_names=("crd", "crds"),
+    ),
+    ResourceType(
+        "rbac.authorization.k8s.io",
+        "v1",
+        "clusterroles",
+        "ClusterRole",
+        namespaced=False,
+        subresources=frozenset(),
+    ),
+    ResourceType(
+        "rbac.authorization.k8s.io",
+        "v1",
+        "clusterrolebindings",
+        "ClusterRoleBinding",
+        namespaced=False,
+        subresources=frozenset(),
+    ),
     ResourceType("rbac.authorization.k8s.io", "v1", "roles", "Role", subresources=frozenset()),
-    ResourceType("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding",
-                 subresources=frozenset()),
-    ResourceType("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice",
-                 subresources=frozenset()),
+    ResourceType(
+        "rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", subresources=frozenset()
+    ),
+    ResourceType(
+        "discovery.k8s.io", "v1", "endpointslices", "EndpointSlice", subresources=frozenset()
+    ),
     ResourceType("coordination.k8s.io", "v1", "leases", "Lease", subresources=frozenset()),
-    ResourceType("events.k8s.io", "v1", "events", "Event", short_names=("ev",),
-                 subresources=frozenset()),
+    ResourceType(
+        "events.k8s.io", "v1", "events", "Event", short_names=("ev",), subresources=frozenset()
+    ),
 )
 
 # The namespaces every cluster starts with.
@@ -221,18 +271,19 @@ def _details(rtype: ResourceType, name: str | None) -> dict[str, Any]:
 
 
 def not_found(rtype: ResourceType, name: str) -> ApiError:
-    return ApiError(404, "NotFound", f'{rtype.qualified} "{name}" not found',
-                    _details(rtype, name))
+    return ApiError(404, "NotFound", f'{rtype.qualified} "{name}" not found', _details(rtype, name))
 
 
 def already_exists(rtype: ResourceType, name: str) -> ApiError:
-    return ApiError(409, "AlreadyExists", f'{rtype.qualified} "{name}" already exists',
-                    _details(rtype, name))
+    return ApiError(
+        409, "AlreadyExists", f'{rtype.qualified} "{name}" already exists', _details(rtype, name)
+    )
 
 
 def conflict(rtype: ResourceType, name: str) -> ApiError:
     return ApiError(
-        409, "Conflict",
+        409,
+        "Conflict",
         f'Operation cannot be fulfilled on {rtype.qualified} "{name}": the object has been '
         "modified; please apply your changes to the latest version and try again",
         _details(rtype, name),
@@ -247,8 +298,9 @@ def invalid(rtype: ResourceType, name: str, causes: list[tuple[str, str]]) -> Ap
         {"reason": "FieldValueInvalid", "message": message, "field": path}
         for path, message in causes
     ]
-    return ApiError(422, "Invalid", f'{rtype.kind}.{rtype.group or "core"} "{name}" is invalid: '
-                    f"{text}", details)
+    return ApiError(
+        422, "Invalid", f'{rtype.kind}.{rtype.group or "core"} "{name}" is invalid: {text}', details
+    )
 
 
 def bad_request(message: str) -> ApiError:
@@ -286,8 +338,11 @@ def get_path(obj: Any, dotted: str) -> Any:
             if key and isinstance(item, dict) and key in item:
                 found.append(item[key])
             elif filter_key and isinstance(item, list):
-                found += [x for x in item if isinstance(x, dict)
-                          and str(x.get(filter_key)) == filter_value]
+                found += [
+                    x
+                    for x in item
+                    if isinstance(x, dict) and str(x.get(filter_key)) == filter_value
+                ]
             elif index and isinstance(item, list) and int(index) < len(item):
                 found.append(item[int(index)])
         current = found
@@ -355,8 +410,10 @@ def strategic_merge_patch(target: Any, patch: Any) -> Any:
         elif isinstance(value, list):
             result[key] = [
                 {k: v for k, v in item.items() if not k.startswith("$")}
-                if isinstance(item, dict) else item
-                for item in value if not (isinstance(item, dict) and item.get("$patch"))
+                if isinstance(item, dict)
+                else item
+                for item in value
+                if not (isinstance(item, dict) and item.get("$patch"))
             ]
         else:
             result[key] = strategic_merge_patch(result.get(key), value)
@@ -487,15 +544,18 @@ def _deep_merge(base: Any, overlay: Any) -> Any:
     return copy.deepcopy(overlay)
 
 
-def server_side_apply(live: dict[str, Any], previous_intent: dict[str, Any] | None,
-                      intent: dict[str, Any]) -> dict[str, Any]:
+def server_side_apply(
+    live: dict[str, Any], previous_intent: dict[str, Any] | None, intent: dict[str, Any]
+) -> dict[str, Any]:
     """Apply an intent for one field manager: fields it applied before and dropped now are
     removed, the rest is merged in (lists atomically)."""
     result = copy.deepcopy(live)
     if previous_intent is not None:
         for path in _leaf_paths(previous_intent) - _leaf_paths(intent):
-            if path[:1] != ("metadata",) or path[:2] in (("metadata", "labels"),
-                                                          ("metadata", "annotations")):
+            if path[:1] != ("metadata",) or path[:2] in (
+                ("metadata", "labels"),
+                ("metadata", "annotations"),
+            ):
                 _remove_path(result, path, intent)
     return _deep_merge(result, intent)
 
@@ -688,10 +748,16 @@ class KubeEmulator:
         self.revision += 1
         return self.revision
 
-    def _emit(self, rtype: ResourceType, event_type: str, obj: dict[str, Any],
-              old: dict[str, Any] | None) -> None:
-        event = WatchEvent(int(obj["metadata"]["resourceVersion"]), (rtype.group, rtype.plural),
-                           event_type, copy.deepcopy(obj), old)
+    def _emit(
+        self, rtype: ResourceType, event_type: str, obj: dict[str, Any], old: dict[str, Any] | None
+    ) -> None:
+        event = WatchEvent(
+            int(obj["metadata"]["resourceVersion"]),
+            (rtype.group, rtype.plural),
+            event_type,
+            copy.deepcopy(obj),
+            old,
+        )
         self.event_log.append(event)
         del self.event_log[:-EVENT_LOG_LIMIT]
         for watcher in self.watchers:
@@ -706,20 +772,37 @@ class KubeEmulator:
         ns_key = ("", "namespaces", "", namespace)
         ns = self.objects.get(ns_key)
         if ns is None:
-            raise ApiError(404, "NotFound", f'namespaces "{namespace}" not found',
-                           {"name": namespace, "kind": "namespaces"})
+            raise ApiError(
+                404,
+                "NotFound",
+                f'namespaces "{namespace}" not found',
+                {"name": namespace, "kind": "namespaces"},
+            )
         if ns["metadata"].get("deletionTimestamp"):
-            raise ApiError(403, "Forbidden", f"unable to create new content in namespace "
-                           f"{namespace} because it is being terminated")
+            raise ApiError(
+                403,
+                "Forbidden",
+                f"unable to create new content in namespace "
+                f"{namespace} because it is being terminated",
+            )
 
-    def create(self, rtype: ResourceType, namespace: str | None, body: dict[str, Any],
-               *, strict_fields: bool = False, dry_run: bool = False) -> dict[str, Any]:
+    def create(
+        self,
+        rtype: ResourceType,
+        namespace: str | None,
+        body: dict[str, Any],
+        *,
+        strict_fields: bool = False,
+        dry_run: bool = False,
+    ) -> dict[str, Any]:
         obj = copy.deepcopy(body)
         metadata = obj.setdefault("metadata", {})
         if rtype.namespaced:
             if metadata.get("namespace") and namespace and metadata["namespace"] != namespace:
-                raise bad_request("the namespace of the provided object does not match the "
-                                  "namespace sent on the request")
+                raise bad_request(
+                    "the namespace of the provided object does not match the "
+                    "namespace sent on the request"
+                )
             namespace = namespace or metadata.get("namespace")
             metadata["namespace"] = namespace
         else:
@@ -728,16 +811,26 @@ class KubeEmulator:
             if metadata.get("generateName"):
                 metadata["name"] = metadata["generateName"] + uuid.uuid4().hex[:5]
             else:
-                raise invalid(rtype, "", [("metadata.name", "Required value: name or "
-                                           "generateName is required")])
+                raise invalid(
+                    rtype,
+                    "",
+                    [("metadata.name", "Required value: name or generateName is required")],
+                )
         self._require_namespace(rtype, namespace)
         key = self.key(rtype, namespace, metadata["name"])
         if key in self.objects:
             raise already_exists(rtype, metadata["name"])
         obj = self._admit(rtype, obj, None, strict_fields)
         metadata = obj["metadata"]
-        for server_owned in ("resourceVersion", "uid", "creationTimestamp", "deletionTimestamp",
-                             "generation", "managedFields", "selfLink"):
+        for server_owned in (
+            "resourceVersion",
+            "uid",
+            "creationTimestamp",
+            "deletionTimestamp",
+            "generation",
+            "managedFields",
+            "selfLink",
+        ):
             metadata.pop(server_owned, None)
         if rtype.has_status:
             obj.pop("status", None)  # written through /status only, as on a real server
@@ -755,8 +848,10 @@ class KubeEmulator:
         if self._owners_all_gone(obj):
             # Created for an owner already deleted (a controller that read it just before):
             # the garbage collector removes such a dependent shortly after, as on a cluster.
-            self._later(GARBAGE_COLLECTION_DELAY,
-                        lambda: self._collect_dangling(rtype, key, metadata["uid"]))
+            self._later(
+                GARBAGE_COLLECTION_DELAY,
+                lambda: self._collect_dangling(rtype, key, metadata["uid"]),
+            )
         return self._view(rtype, obj)
 
     def _owners_all_gone(self, obj: dict[str, Any]) -> bool:
@@ -775,10 +870,18 @@ class KubeEmulator:
         except RuntimeError:  # used without an event loop: at once
             action()
 
-    def update(self, rtype: ResourceType, namespace: str | None, name: str,
-               change: Callable[[dict[str, Any]], dict[str, Any]], *, subresource: str | None,
-               strict_fields: bool = False, dry_run: bool = False,
-               expected_version: str | None = None) -> dict[str, Any]:
+    def update(
+        self,
+        rtype: ResourceType,
+        namespace: str | None,
+        name: str,
+        change: Callable[[dict[str, Any]], dict[str, Any]],
+        *,
+        subresource: str | None,
+        strict_fields: bool = False,
+        dry_run: bool = False,
+        expected_version: str | None = None,
+    ) -> dict[str, Any]:
         """Read-modify-write: `change` maps the current object to the wanted one."""
         key = self.key(rtype, namespace, name)
         current = self.objects.get(key)
@@ -798,9 +901,7 @@ class KubeEmulator:
         if dry_run:
             return self._view(rtype, merged)
         merged["metadata"]["resourceVersion"] = str(self._next_revision())
-        if merged["metadata"].get("deletionTimestamp") and not merged["metadata"].get(
-            "finalizers"
-        ):
+        if merged["metadata"].get("deletionTimestamp") and not merged["metadata"].get("finalizers"):
             self._remove(rtype, key, merged)
             return self._view(rtype, merged)
         self.objects[key] = merged
@@ -808,13 +909,23 @@ class KubeEmulator:
         self._emit(rtype, "MODIFIED", merged, current)
         return self._view(rtype, merged)
 
-    def _restrict_to_subresource(self, rtype: ResourceType, current: dict[str, Any],
-                                 wanted: dict[str, Any], subresource: str | None
-                                 ) -> dict[str, Any]:
+    def _restrict_to_subresource(
+        self,
+        rtype: ResourceType,
+        current: dict[str, Any],
+        wanted: dict[str, Any],
+        subresource: str | None,
+    ) -> dict[str, Any]:
         merged = copy.deepcopy(wanted)
         merged["metadata"] = {**wanted.get("metadata", {})}
-        for immutable in ("uid", "creationTimestamp", "namespace", "name", "generation",
-                          "deletionTimestamp"):
+        for immutable in (
+            "uid",
+            "creationTimestamp",
+            "namespace",
+            "name",
+            "generation",
+            "deletionTimestamp",
+        ):
             if immutable in current["metadata"]:
                 merged["metadata"][immutable] = current["metadata"][immutable]
             else:
@@ -835,19 +946,26 @@ class KubeEmulator:
                 merged.pop("status", None)
         return merged
 
-    def _admit(self, rtype: ResourceType, obj: dict[str, Any], old: dict[str, Any] | None,
-               strict_fields: bool) -> dict[str, Any]:
+    def _admit(
+        self,
+        rtype: ResourceType,
+        obj: dict[str, Any],
+        old: dict[str, Any] | None,
+        strict_fields: bool,
+    ) -> dict[str, Any]:
         """Defaulting, pruning and validation, for custom resources with a schema."""
         if rtype.schema is None:
             return obj
         name = obj.get("metadata", {}).get("name", "")
         unknown = crd_validation.unknown_fields(rtype.schema, obj)
         if unknown and strict_fields:
-            raise ApiError(400, "BadRequest", f'strict decoding error: unknown field '
-                           f'"{unknown[0].lstrip(".")}"')
+            raise ApiError(
+                400,
+                "BadRequest",
+                f'strict decoding error: unknown field "{unknown[0].lstrip(".")}"',
+            )
         metadata = obj.get("metadata", {})
-        obj = crd_validation.prune(rtype.schema, {k: v for k, v in obj.items()
-                                                  if k != "metadata"})
+        obj = crd_validation.prune(rtype.schema, {k: v for k, v in obj.items() if k != "metadata"})
         obj["metadata"] = metadata
         obj = crd_validation.apply_defaults(rtype.schema, obj)
         errors = crd_validation.validate(rtype.schema, obj, old)
@@ -855,8 +973,9 @@ class KubeEmulator:
             raise invalid(rtype, name, [(e.path.lstrip("."), e.message) for e in errors])
         return obj
 
-    def _after_write(self, rtype: ResourceType, obj: dict[str, Any],
-                     old: dict[str, Any] | None) -> None:
+    def _after_write(
+        self, rtype: ResourceType, obj: dict[str, Any], old: dict[str, Any] | None
+    ) -> None:
         """What controllers inside a real API server do at once: CRDs get established."""
         if rtype.plural == "customresourcedefinitions" and rtype.group == "apiextensions.k8s.io":
             if old is not None:
@@ -869,11 +988,20 @@ class KubeEmulator:
                 "acceptedNames": {k: v for k, v in names.items()},
                 "storedVersions": [v["name"] for v in obj["spec"]["versions"] if v.get("storage")],
                 "conditions": [
-                    {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts",
-                     "message": "no conflicts found", "lastTransitionTime": now_rfc3339()},
-                    {"type": "Established", "status": "True", "reason": "InitialNamesAccepted",
-                     "message": "the initial names have been accepted",
-                     "lastTransitionTime": now_rfc3339()},
+                    {
+                        "type": "NamesAccepted",
+                        "status": "True",
+                        "reason": "NoConflicts",
+                        "message": "no conflicts found",
+                        "lastTransitionTime": now_rfc3339(),
+                    },
+                    {
+                        "type": "Established",
+                        "status": "True",
+                        "reason": "InitialNamesAccepted",
+                        "message": "the initial names have been accepted",
+                        "lastTransitionTime": now_rfc3339(),
+                    },
                 ],
             }
         if rtype.plural == "namespaces" and not rtype.group:
@@ -881,8 +1009,9 @@ class KubeEmulator:
                 "Terminating" if obj["metadata"].get("deletionTimestamp") else "Active"
             )
 
-    def delete(self, rtype: ResourceType, namespace: str | None, name: str,
-               *, dry_run: bool = False) -> dict[str, Any]:
+    def delete(
+        self, rtype: ResourceType, namespace: str | None, name: str, *, dry_run: bool = False
+    ) -> dict[str, Any]:
         key = self.key(rtype, namespace, name)
         current = self.objects.get(key)
         if current is None:
@@ -945,8 +1074,11 @@ class KubeEmulator:
 
     def _type_of(self, key: ObjectKey) -> ResourceType | None:
         candidates = [t for (g, _, p), t in self.types.items() if (g, p) == key[:2]]
-        return sorted(candidates, key=lambda t: _version_priority(t.version))[0] \
-            if candidates else None
+        return (
+            sorted(candidates, key=lambda t: _version_priority(t.version))[0]
+            if candidates
+            else None
+        )
 
     # --- scale ---------------------------------------------------------------------------
 
@@ -964,31 +1096,48 @@ class KubeEmulator:
         return {
             "kind": "Scale",
             "apiVersion": "autoscaling/v1",
-            "metadata": {k: metadata[k] for k in ("name", "namespace", "uid", "resourceVersion",
-                                                  "creationTimestamp") if k in metadata},
+            "metadata": {
+                k: metadata[k]
+                for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+                if k in metadata
+            },
             "spec": {"replicas": get_path(obj, paths.spec_replicas) or 0},
             "status": status,
         }
 
     # --- server-side apply ---------------------------------------------------------------
 
-    def apply(self, rtype: ResourceType, namespace: str | None, name: str,
-              intent: dict[str, Any], manager: str, *, subresource: str | None,
-              strict_fields: bool = False, dry_run: bool = False) -> tuple[dict[str, Any], bool]:
+    def apply(
+        self,
+        rtype: ResourceType,
+        namespace: str | None,
+        name: str,
+        intent: dict[str, Any],
+        manager: str,
+        *,
+        subresource: str | None,
+        strict_fields: bool = False,
+        dry_run: bool = False,
+    ) -> tuple[dict[str, Any], bool]:
         key = self.key(rtype, namespace, name)
         intent = copy.deepcopy(intent)
         intent.setdefault("metadata", {})["name"] = name
         if key not in self.objects:
-            created = self.create(rtype, namespace, intent, strict_fields=strict_fields,
-                                  dry_run=dry_run)
+            created = self.create(
+                rtype, namespace, intent, strict_fields=strict_fields, dry_run=dry_run
+            )
             if not dry_run:
                 self.applied_intents[(key, manager)] = intent
             return created, True
         previous = self.applied_intents.get((key, manager))
         result = self.update(
-            rtype, namespace, name,
+            rtype,
+            namespace,
+            name,
             lambda live: server_side_apply(live, previous, intent),
-            subresource=subresource, strict_fields=strict_fields, dry_run=dry_run,
+            subresource=subresource,
+            strict_fields=strict_fields,
+            dry_run=dry_run,
             expected_version=(intent.get("metadata") or {}).get("resourceVersion"),
         )
         if not dry_run:
@@ -1006,8 +1155,10 @@ def _version_priority(version: str) -> tuple[int, int, int]:
 
 
 def _without_revision(obj: dict[str, Any]) -> dict[str, Any]:
-    return {**obj, "metadata": {k: v for k, v in obj.get("metadata", {}).items()
-                                if k != "resourceVersion"}}
+    return {
+        **obj,
+        "metadata": {k: v for k, v in obj.get("metadata", {}).items() if k != "resourceVersion"},
+    }
 
 
 def _spec_changed(rtype: ResourceType, old: dict[str, Any], new: dict[str, Any]) -> bool:
@@ -1068,8 +1219,9 @@ def _truthy(value: str | None) -> bool:
 class EmulatorServer:
     """The REST face of a KubeEmulator."""
 
-    def __init__(self, emulator: KubeEmulator | None = None, *,
-                 bookmark_interval: float = 30.0) -> None:
+    def __init__(
+        self, emulator: KubeEmulator | None = None, *, bookmark_interval: float = 30.0
+    ) -> None:
         self.emulator = emulator or KubeEmulator()
         self.bookmark_interval = bookmark_interval
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -1115,34 +1267,55 @@ class EmulatorServer:
         query = request.query
         strict = query.get("fieldValidation") == "Strict"
         dry_run = query.get("dryRun") == "All"
-        rtype, namespace, name, sub = (resource.rtype, resource.namespace, resource.name,
-                                       resource.subresource)
+        rtype, namespace, name, sub = (
+            resource.rtype,
+            resource.namespace,
+            resource.name,
+            resource.subresource,
+        )
         em = self.emulator
 
         if method == "GET" and name is None:
-            selection = Selection(namespace, parse_label_selector(query.get("labelSelector", "")),
-                                  parse_field_selector(query.get("fieldSelector", "")))
+            selection = Selection(
+                namespace,
+                parse_label_selector(query.get("labelSelector", "")),
+                parse_field_selector(query.get("fieldSelector", "")),
+            )
             if _truthy(query.get("watch")):
                 return await self._watch(request, rtype, selection)
             items = em.list(rtype, selection)
             if _wants_table(request):
                 return _json(self._table(rtype, items, query))
-            return _json({
-                "kind": f"{rtype.kind}List", "apiVersion": rtype.api_version,
-                "metadata": {"resourceVersion": str(em.revision)},
-                "items": items,
-            })
+            return _json(
+                {
+                    "kind": f"{rtype.kind}List",
+                    "apiVersion": rtype.api_version,
+                    "metadata": {"resourceVersion": str(em.revision)},
+                    "items": items,
+                }
+            )
         if name is None and method == "POST":
             body = await self._body(request)
             created = em.create(rtype, namespace, body, strict_fields=strict, dry_run=dry_run)
             return _json(created, status=201)
         if name is None and method == "DELETE":
-            selection = Selection(namespace, parse_label_selector(query.get("labelSelector", "")),
-                                  parse_field_selector(query.get("fieldSelector", "")))
-            deleted = [em.delete(rtype, namespace, item["metadata"]["name"], dry_run=dry_run)
-                       for item in em.list(rtype, selection)]
-            return _json({"kind": f"{rtype.kind}List", "apiVersion": rtype.api_version,
-                          "metadata": {"resourceVersion": str(em.revision)}, "items": deleted})
+            selection = Selection(
+                namespace,
+                parse_label_selector(query.get("labelSelector", "")),
+                parse_field_selector(query.get("fieldSelector", "")),
+            )
+            deleted = [
+                em.delete(rtype, namespace, item["metadata"]["name"], dry_run=dry_run)
+                for item in em.list(rtype, selection)
+            ]
+            return _json(
+                {
+                    "kind": f"{rtype.kind}List",
+                    "apiVersion": rtype.api_version,
+                    "metadata": {"resourceVersion": str(em.revision)},
+                    "items": deleted,
+                }
+            )
         if name is None:
             raise ApiError(405, "MethodNotAllowed", f"{method} is not supported here")
 
@@ -1160,8 +1333,15 @@ class EmulatorServer:
             body = await self._body(request)
             if sub == SCALE_SUBRESOURCE:
                 return _json(self._write_scale(rtype, namespace, name, lambda _: body, strict))
-            result = em.update(rtype, namespace, name, lambda _: body, subresource=sub,
-                               strict_fields=strict, dry_run=dry_run)
+            result = em.update(
+                rtype,
+                namespace,
+                name,
+                lambda _: body,
+                subresource=sub,
+                strict_fields=strict,
+                dry_run=dry_run,
+            )
             return _json(result)
         if method == "PATCH":
             return await self._patch(request, resource, strict, dry_run)
@@ -1169,11 +1349,16 @@ class EmulatorServer:
             raise ApiError(405, "MethodNotAllowed", f"POST to {sub} is not supported")
         raise ApiError(405, "MethodNotAllowed", f"{method} is not supported")
 
-    async def _patch(self, request: web.Request, resource: ResourceRequest, strict: bool,
-                     dry_run: bool) -> web.Response:
+    async def _patch(
+        self, request: web.Request, resource: ResourceRequest, strict: bool, dry_run: bool
+    ) -> web.Response:
         em = self.emulator
-        rtype, namespace, name, sub = (resource.rtype, resource.namespace, resource.name,
-                                       resource.subresource)
+        rtype, namespace, name, sub = (
+            resource.rtype,
+            resource.namespace,
+            resource.name,
+            resource.subresource,
+        )
         assert name is not None
         content_type = request.headers.get("Content-Type", "").split(";")[0].strip()
         text = await request.text()
@@ -1183,13 +1368,25 @@ class EmulatorServer:
             if not manager:
                 raise bad_request("PATCH of type apply requires a fieldManager")
             if sub == SCALE_SUBRESOURCE:
-                return _json(self._write_scale(rtype, namespace, name,
-                                               lambda scale: _deep_merge(scale, intent), strict))
-            result, created = em.apply(rtype, namespace, name, intent, manager, subresource=sub,
-                                       strict_fields=strict, dry_run=dry_run)
+                return _json(
+                    self._write_scale(
+                        rtype, namespace, name, lambda scale: _deep_merge(scale, intent), strict
+                    )
+                )
+            result, created = em.apply(
+                rtype,
+                namespace,
+                name,
+                intent,
+                manager,
+                subresource=sub,
+                strict_fields=strict,
+                dry_run=dry_run,
+            )
             return _json(result, status=201 if created else 200)
         patch = json.loads(text or "null")
         if content_type == "application/json-patch+json":
+
             def change(current: dict[str, Any]) -> dict[str, Any]:
                 try:
                     return json_patch(current, patch)
@@ -1198,26 +1395,47 @@ class EmulatorServer:
                 except (KeyError, IndexError, ValueError, TypeError) as error:
                     raise invalid(rtype, name, [(str(error), "path not found")]) from None
         elif content_type == "application/merge-patch+json":
+
             def change(current: dict[str, Any]) -> dict[str, Any]:
                 return merge_patch(current, patch)
         elif content_type == "application/strategic-merge-patch+json":
             if rtype.schema is not None or rtype.group not in {t.group for t in BUILTIN_TYPES}:
-                raise ApiError(415, "UnsupportedMediaType", "strategic merge patch is not "
-                               "supported for custom resources")
+                raise ApiError(
+                    415,
+                    "UnsupportedMediaType",
+                    "strategic merge patch is not supported for custom resources",
+                )
 
             def change(current: dict[str, Any]) -> dict[str, Any]:
                 return strategic_merge_patch(current, patch)
         else:
-            raise ApiError(415, "UnsupportedMediaType",
-                           f"the body of the request was in an unknown format: {content_type}")
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                f"the body of the request was in an unknown format: {content_type}",
+            )
         if sub == SCALE_SUBRESOURCE:
             return _json(self._write_scale(rtype, namespace, name, change, strict))
-        return _json(em.update(rtype, namespace, name, change, subresource=sub,
-                               strict_fields=strict, dry_run=dry_run))
+        return _json(
+            em.update(
+                rtype,
+                namespace,
+                name,
+                change,
+                subresource=sub,
+                strict_fields=strict,
+                dry_run=dry_run,
+            )
+        )
 
-    def _write_scale(self, rtype: ResourceType, namespace: str | None, name: str,
-                     change: Callable[[dict[str, Any]], dict[str, Any]],
-                     strict: bool) -> dict[str, Any]:
+    def _write_scale(
+        self,
+        rtype: ResourceType,
+        namespace: str | None,
+        name: str,
+        change: Callable[[dict[str, Any]], dict[str, Any]],
+        strict: bool,
+    ) -> dict[str, Any]:
         em = self.emulator
         paths = rtype.scale
         assert paths is not None
@@ -1230,9 +1448,15 @@ class EmulatorServer:
             set_path(current, paths.spec_replicas, replicas)
             return current
 
-        updated = em.update(rtype, namespace, name, set_replicas, subresource=None,
-                            strict_fields=strict,
-                            expected_version=(scale.get("metadata") or {}).get("resourceVersion"))
+        updated = em.update(
+            rtype,
+            namespace,
+            name,
+            set_replicas,
+            subresource=None,
+            strict_fields=strict,
+            expected_version=(scale.get("metadata") or {}).get("resourceVersion"),
+        )
         return em.scale_of(rtype, updated)
 
     @staticmethod
@@ -1244,8 +1468,9 @@ class EmulatorServer:
 
     # --- watch ---------------------------------------------------------------------------
 
-    async def _watch(self, request: web.Request, rtype: ResourceType,
-                     selection: Selection) -> web.StreamResponse:
+    async def _watch(
+        self, request: web.Request, rtype: ResourceType, selection: Selection
+    ) -> web.StreamResponse:
         em = self.emulator
         query = request.query
         since = query.get("resourceVersion", "")
@@ -1262,10 +1487,16 @@ class EmulatorServer:
             backlog = [("ADDED", obj) for obj in em.list(rtype, selection)]
         else:
             start = int(since)
-            if em.event_log and start < em.event_log[0].resource_version - 1 \
-                    and start < em.revision:
-                raise ApiError(410, "Expired", f"too old resource version: {start} "
-                               f"({em.event_log[0].resource_version})")
+            if (
+                em.event_log
+                and start < em.event_log[0].resource_version - 1
+                and start < em.revision
+            ):
+                raise ApiError(
+                    410,
+                    "Expired",
+                    f"too old resource version: {start} ({em.event_log[0].resource_version})",
+                )
             for event in em.event_log:
                 if event.resource_version > start and event.rtype_key == rtype_key:
                     translated = _translate(event, selection)
@@ -1275,14 +1506,18 @@ class EmulatorServer:
         em.watchers.append(watcher)
         initial_end_revision = str(em.revision)
 
-        response = web.StreamResponse(headers={"Content-Type": "application/json",
-                                               "Transfer-Encoding": "chunked"})
+        response = web.StreamResponse(
+            headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"}
+        )
         try:
             await response.prepare(request)
 
             async def send(event_type: str, obj: dict[str, Any]) -> None:
-                payload = self._table(rtype, [obj], query) if as_table and \
-                    event_type != "BOOKMARK" else obj
+                payload = (
+                    self._table(rtype, [obj], query)
+                    if as_table and event_type != "BOOKMARK"
+                    else obj
+                )
                 line = json.dumps({"type": event_type, "object": payload}) + "\n"
                 await response.write(line.encode())
 
@@ -1296,8 +1531,9 @@ class EmulatorServer:
                 if remaining <= 0:
                     break
                 try:
-                    event = await asyncio.wait_for(watcher.queue.get(),
-                                                   min(remaining, self.bookmark_interval))
+                    event = await asyncio.wait_for(
+                        watcher.queue.get(), min(remaining, self.bookmark_interval)
+                    )
                 except asyncio.TimeoutError:
                     if bookmarks:
                         await send("BOOKMARK", _bookmark(rtype, str(em.revision)))
@@ -1316,16 +1552,39 @@ class EmulatorServer:
 
     # --- tables --------------------------------------------------------------------------
 
-    def _table(self, rtype: ResourceType, items: list[dict[str, Any]],
-               query: Any) -> dict[str, Any]:
-        columns = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
-                    "description": "Name must be unique within a namespace."}]
-        columns += [{"name": c.name, "type": c.type, "format": "", "priority": c.priority,
-                     "description": ""} for c in rtype.printer_columns]
+    def _table(
+        self, rtype: ResourceType, items: list[dict[str, Any]], query: Any
+    ) -> dict[str, Any]:
+        columns = [
+            {
+                "name": "Name",
+                "type": "string",
+                "format": "name",
+                "priority": 0,
+                "description": "Name must be unique within a namespace.",
+            }
+        ]
+        columns += [
+            {
+                "name": c.name,
+                "type": c.type,
+                "format": "",
+                "priority": c.priority,
+                "description": "",
+            }
+            for c in rtype.printer_columns
+        ]
         has_age = any(c.name == "Age" for c in rtype.printer_columns)
         if not has_age:
-            columns.append({"name": "Age", "type": "date", "format": "", "priority": 0,
-                            "description": "CreationTimestamp"})
+            columns.append(
+                {
+                    "name": "Age",
+                    "type": "date",
+                    "format": "",
+                    "priority": 0,
+                    "description": "CreationTimestamp",
+                }
+            )
         include_object = query.get("includeObject", "PartialObjectMetadata")
         rows = []
         for obj in items:
@@ -1337,14 +1596,23 @@ class EmulatorServer:
                 cells.append("" if value is None else value)
             if not has_age:
                 cells.append(_age(obj["metadata"].get("creationTimestamp")))
-            row_object = obj if include_object == "Object" else {
-                "kind": "PartialObjectMetadata", "apiVersion": TABLE_GROUP_VERSION,
-                "metadata": obj["metadata"],
-            }
+            row_object = (
+                obj
+                if include_object == "Object"
+                else {
+                    "kind": "PartialObjectMetadata",
+                    "apiVersion": TABLE_GROUP_VERSION,
+                    "metadata": obj["metadata"],
+                }
+            )
             rows.append({"cells": cells, "object": row_object})
-        return {"kind": "Table", "apiVersion": TABLE_GROUP_VERSION,
-                "metadata": {"resourceVersion": str(self.emulator.revision)},
-                "columnDefinitions": columns, "rows": rows}
+        return {
+            "kind": "Table",
+            "apiVersion": TABLE_GROUP_VERSION,
+            "metadata": {"resourceVersion": str(self.emulator.revision)},
+            "columnDefinitions": columns,
+            "rows": rows,
+        }
 
     # --- discovery and OpenAPI ----------------------------------------------------------
 
@@ -1356,39 +1624,51 @@ class EmulatorServer:
         if path in ("/healthz", "/livez", "/readyz"):
             return web.Response(text="ok")
         if path == "/api":
-            return _json({"kind": "APIVersions", "versions": ["v1"],
-                          "serverAddressByClientCIDRs": [
-                              {"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]})
+            return _json(
+                {
+                    "kind": "APIVersions",
+                    "versions": ["v1"],
+                    "serverAddressByClientCIDRs": [
+                        {"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}
+                    ],
+                }
+            )
         if path == "/apis":
-            return _json({"kind": "APIGroupList", "apiVersion": "v1",
-                          "groups": [_group_info(g, v) for g, v in sorted(groups.items()) if g]})
+            return _json(
+                {
+                    "kind": "APIGroupList",
+                    "apiVersion": "v1",
+                    "groups": [_group_info(g, v) for g, v in sorted(groups.items()) if g],
+                }
+            )
         if path == "/api/v1":
             return _json(self._resource_list("", "v1"))
         parts = [p for p in path.split("/") if p]
         if parts[:1] == ["apis"] and len(parts) == 2:
             if parts[1] not in groups:
-                raise ApiError(404, "NotFound", "the server could not find the requested "
-                               "resource")
-            return _json({"kind": "APIGroup", "apiVersion": "v1",
-                          **_group_info(parts[1], groups[parts[1]])})
+                raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            return _json(
+                {"kind": "APIGroup", "apiVersion": "v1", **_group_info(parts[1], groups[parts[1]])}
+            )
         if parts[:1] == ["apis"] and len(parts) == 3:
             if parts[2] not in groups.get(parts[1], []):
-                raise ApiError(404, "NotFound", "the server could not find the requested "
-                               "resource")
+                raise ApiError(404, "NotFound", "the server could not find the requested resource")
             return _json(self._resource_list(parts[1], parts[2]))
         if path == "/openapi/v3":
             index = {}
             for group, versions in groups.items():
                 for version in versions:
                     gv_path = f"apis/{group}/{version}" if group else "api/v1"
-                    index[gv_path] = {"serverRelativeURL": f"/openapi/v3/{gv_path}"
-                                      f"?hash={em.revision}"}
+                    index[gv_path] = {
+                        "serverRelativeURL": f"/openapi/v3/{gv_path}?hash={em.revision}"
+                    }
             return _json({"paths": index})
         if path.startswith("/openapi/v3/"):
-            gv = path[len("/openapi/v3/"):]
+            gv = path[len("/openapi/v3/") :]
             gv_parts = gv.split("/")
-            group, version = ("", gv_parts[1]) if gv_parts[0] == "api" else (gv_parts[1],
-                                                                             gv_parts[2])
+            group, version = (
+                ("", gv_parts[1]) if gv_parts[0] == "api" else (gv_parts[1], gv_parts[2])
+            )
             return _json(self._openapi_v3(group, version))
         if path.startswith("/openapi/v2"):
             raise ApiError(404, "NotFound", "OpenAPI v2 is not served; use /openapi/v3")
@@ -1399,24 +1679,43 @@ class EmulatorServer:
         for (g, v, _), rtype in sorted(self.emulator.types.items()):
             if (g, v) != (group, version):
                 continue
-            resources.append({
-                "name": rtype.plural, "singularName": rtype.singular,
-                "namespaced": rtype.namespaced, "kind": rtype.kind,
-                "verbs": ["create", "delete", "deletecollection", "get", "list", "patch",
-                          "update", "watch"],
-                "shortNames": list(rtype.short_names),
-                "categories": list(rtype.categories),
-            })
+            resources.append(
+                {
+                    "name": rtype.plural,
+                    "singularName": rtype.singular,
+                    "namespaced": rtype.namespaced,
+                    "kind": rtype.kind,
+                    "verbs": [
+                        "create",
+                        "delete",
+                        "deletecollection",
+                        "get",
+                        "list",
+                        "patch",
+                        "update",
+                        "watch",
+                    ],
+                    "shortNames": list(rtype.short_names),
+                    "categories": list(rtype.categories),
+                }
+            )
             for sub in sorted(rtype.subresources):
-                entry = {"name": f"{rtype.plural}/{sub}", "singularName": "",
-                         "namespaced": rtype.namespaced, "kind": rtype.kind,
-                         "verbs": ["get", "patch", "update"]}
+                entry = {
+                    "name": f"{rtype.plural}/{sub}",
+                    "singularName": "",
+                    "namespaced": rtype.namespaced,
+                    "kind": rtype.kind,
+                    "verbs": ["get", "patch", "update"],
+                }
                 if sub == SCALE_SUBRESOURCE:
                     entry.update(group="autoscaling", version="v1", kind="Scale")
                 resources.append(entry)
-        return {"kind": "APIResourceList", "apiVersion": "v1",
-                "groupVersion": f"{group}/{version}" if group else version,
-                "resources": resources}
+        return {
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": f"{group}/{version}" if group else version,
+            "resources": resources,
+        }
 
     def _openapi_v3(self, group: str, version: str) -> dict[str, Any]:
         """Just enough OpenAPI for kubectl: each resource's PATCH declares fieldValidation, so
@@ -1432,13 +1731,18 @@ class EmulatorServer:
                 "patch": {
                     "x-kubernetes-group-version-kind": gvk,
                     "x-kubernetes-action": "patch",
-                    "parameters": [{"name": "fieldValidation", "in": "query",
-                                    "schema": {"type": "string"}}],
+                    "parameters": [
+                        {"name": "fieldValidation", "in": "query", "schema": {"type": "string"}}
+                    ],
                     "responses": {"200": {"description": "OK"}},
                 },
             }
-        return {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.32.0"},
-                "paths": paths, "components": {"schemas": {}}}
+        return {
+            "openapi": "3.0.0",
+            "info": {"title": "Kubernetes", "version": "v1.32.0"},
+            "paths": paths,
+            "components": {"schemas": {}},
+        }
 
 
 def _group_info(group: str, versions: list[str]) -> dict[str, Any]:
@@ -1482,9 +1786,12 @@ def kubeconfig_text(server_url: str, namespace: str = "default") -> str:
         "kind": "Config",
         "clusters": [{"name": "emulator", "cluster": {"server": server_url}}],
         "users": [{"name": "emulator", "user": {"token": "emulator"}}],
-        "contexts": [{"name": "emulator",
-                      "context": {"cluster": "emulator", "user": "emulator",
-                                  "namespace": namespace}}],
+        "contexts": [
+            {
+                "name": "emulator",
+                "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace},
+            }
+        ],
         "current-context": "emulator",
     }
     return yaml.safe_dump(config)
@@ -1493,13 +1800,15 @@ def kubeconfig_text(server_url: str, namespace: str = "default") -> str:
 class EmulatorThread:
     """The emulator on a loopback port, served from a thread (for tests)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
-                 bookmark_interval: float = 30.0) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, bookmark_interval: float = 30.0
+    ) -> None:
         self.host, self.port = host, port
         self.server = EmulatorServer(bookmark_interval=bookmark_interval)
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="kube-emulator",
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="kube-emulator", daemon=True
+        )
         self.url = ""
 
     def __enter__(self) -> EmulatorThread:

@@ -29,13 +29,21 @@ class KubeRest:
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def request(self, method: str, path: str, body: Any = None,
-                      content_type: str = "application/json",
-                      params: dict[str, str] | None = None) -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        params: dict[str, str] | None = None,
+    ) -> Any:
         response = await self.http.request(
-            method, path, params=params,
+            method,
+            path,
+            params=params,
             content=None if body is None else json.dumps(body),
-            headers={"Content-Type": content_type})
+            headers={"Content-Type": content_type},
+        )
         payload = response.json() if response.content else None
         if response.status_code >= 400:
             raise KubeApiError(response.status_code, payload)

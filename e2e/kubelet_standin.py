@@ -60,8 +60,11 @@ HOST_PORTS_ANNOTATION = "e2e.pagedllm.io/host-ports"
 LOOPBACK = "127.0.0.1"
 # The ENV lines of manifests/Dockerfile: what the image gives every container. Its CPU kernels
 # are built into the image; here, the machine's own build stands in (see LocalCluster).
-IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
-             cpu_extension.KERNEL_DIR_ENV: str(cpu_extension.build_dir().parent)}
+IMAGE_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    cpu_extension.KERNEL_DIR_ENV: str(cpu_extension.build_dir().parent),
+}
 DEFAULT_GRACE_SECONDS = 30
 MAX_RESTART_BACKOFF = 20.0
 POLL_SECONDS = 0.1
@@ -116,8 +119,10 @@ def volume_dirs(pod_spec: Mapping[str, Any], pod_dir: Path) -> dict[str, Path]:
 
 def mounts_of(container: Mapping[str, Any], dirs: Mapping[str, Path]) -> list[tuple[str, Path]]:
     """(mount path, local directory), longest mount path first."""
-    mounts = [(m["mountPath"].rstrip("/") or "/", dirs[m["name"]])
-              for m in container.get("volumeMounts") or []]
+    mounts = [
+        (m["mountPath"].rstrip("/") or "/", dirs[m["name"]])
+        for m in container.get("volumeMounts") or []
+    ]
     return sorted(mounts, key=lambda mount: len(mount[0]), reverse=True)
 
 
@@ -128,12 +133,13 @@ def rewrite_path(text: str, mounts: Sequence[tuple[str, Path]]) -> str:
         return f"{flag}={rewrite_path(value, mounts)}"
     for mount_path, directory in mounts:
         if text == mount_path or text.startswith(mount_path + "/"):
-            return str(directory) + text[len(mount_path):]
+            return str(directory) + text[len(mount_path) :]
     return text
 
 
-def local_args(args: Sequence[str], host_ports: Mapping[int, int],
-               mounts: Sequence[tuple[str, Path]]) -> list[str]:
+def local_args(
+    args: Sequence[str], host_ports: Mapping[int, int], mounts: Sequence[tuple[str, Path]]
+) -> list[str]:
     result: list[str] = []
     for arg in args:
         previous = result[-1] if result else ""
@@ -151,8 +157,11 @@ def local_args(args: Sequence[str], host_ports: Mapping[int, int],
 
 
 def declared_ports(pod_spec: Mapping[str, Any]) -> list[dict[str, Any]]:
-    return [port for container in pod_spec.get("containers") or []
-            for port in container.get("ports") or []]
+    return [
+        port
+        for container in pod_spec.get("containers") or []
+        for port in container.get("ports") or []
+    ]
 
 
 def process_group_members(pgid: int) -> list[int]:
@@ -165,7 +174,7 @@ def process_group_members(pgid: int) -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         if fields[0] != "Z" and int(fields[2]) == pgid:
             members.append(int(entry))
     return members
@@ -205,11 +214,16 @@ class ContainerRun:
         else:
             reason, message = self.waiting or ("ContainerCreating", "")
             state = {"waiting": {"reason": reason, **({"message": message} if message else {})}}
-        status = {"name": self.name, "image": self.spec.get("image", ""), "imageID": "",
-                  "ready": self.ready and self.running, "restartCount": self.restarts,
-                  "started": self.started and self.running, "state": state,
-                  "lastState": {"terminated": self.last_terminated}
-                  if self.last_terminated else {}}
+        status = {
+            "name": self.name,
+            "image": self.spec.get("image", ""),
+            "imageID": "",
+            "ready": self.ready and self.running,
+            "restartCount": self.restarts,
+            "started": self.started and self.running,
+            "state": state,
+            "lastState": {"terminated": self.last_terminated} if self.last_terminated else {},
+        }
         if self.process is not None:
             status["containerID"] = f"local://{self.process.pid}"
         return status
@@ -217,10 +231,19 @@ class ContainerRun:
 
 def _terminated(code: int, started_at: str) -> dict[str, Any]:
     if code < 0:  # killed by a signal: a shell's exit code, as container runtimes report
-        return {"exitCode": 128 - code, "signal": -code, "reason": "Error",
-                "startedAt": started_at, "finishedAt": now_rfc3339()}
-    return {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-            "startedAt": started_at, "finishedAt": now_rfc3339()}
+        return {
+            "exitCode": 128 - code,
+            "signal": -code,
+            "reason": "Error",
+            "startedAt": started_at,
+            "finishedAt": now_rfc3339(),
+        }
+    return {
+        "exitCode": code,
+        "reason": "Completed" if code == 0 else "Error",
+        "startedAt": started_at,
+        "finishedAt": now_rfc3339(),
+    }
 
 
 class LocalPod:
@@ -256,8 +279,11 @@ class LocalPod:
     # --- status ----------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        ready = (not self.terminating and bool(self.containers)
-                 and all(c.ready and c.running for c in self.containers))
+        ready = (
+            not self.terminating
+            and bool(self.containers)
+            and all(c.ready and c.running for c in self.containers)
+        )
         ever_ran = any(c.process is not None for c in self.containers)
         if self.finished:
             failed = any((c.terminated or {}).get("exitCode", 0) != 0 for c in self.containers)
@@ -266,8 +292,11 @@ class LocalPod:
             phase = "Running" if ever_ran else "Pending"
 
         def condition(kind: str, value: bool) -> dict[str, Any]:
-            return {"type": kind, "status": "True" if value else "False",
-                    "lastTransitionTime": self.created_at}
+            return {
+                "type": kind,
+                "status": "True" if value else "False",
+                "lastTransitionTime": self.created_at,
+            }
 
         return {
             "phase": phase,
@@ -275,10 +304,12 @@ class LocalPod:
             "podIP": LOOPBACK,
             "podIPs": [{"ip": LOOPBACK}],
             "startTime": self.created_at,
-            "conditions": [condition("PodScheduled", True),
-                           condition("Initialized", self.initialized),
-                           condition("ContainersReady", ready),
-                           condition("Ready", ready)],
+            "conditions": [
+                condition("PodScheduled", True),
+                condition("Initialized", self.initialized),
+                condition("ContainersReady", ready),
+                condition("Ready", ready),
+            ],
             "initContainerStatuses": [c.status() for c in self.init_containers],
             "containerStatuses": [c.status() for c in self.containers],
         }
@@ -299,10 +330,10 @@ class LocalPod:
         for directory in [self.dir, *self.dirs.values()]:
             directory.mkdir(parents=True, exist_ok=True)
         ports = declared_ports(self.spec)
-        self.host_ports = {p["containerPort"]: free_port(self.kubelet.ports_taken)
-                           for p in ports}
-        annotations = {HOST_PORTS_ANNOTATION: json.dumps(
-            {str(k): v for k, v in self.host_ports.items()})}
+        self.host_ports = {p["containerPort"]: free_port(self.kubelet.ports_taken) for p in ports}
+        annotations = {
+            HOST_PORTS_ANNOTATION: json.dumps({str(k): v for k, v in self.host_ports.items()})
+        }
         metrics_port = self._metrics_container_port(ports)
         if metrics_port in self.host_ports:
             annotations[METRICS_PORT_ANNOTATION] = str(self.host_ports[metrics_port])
@@ -314,8 +345,9 @@ class LocalPod:
             return int(declared)
         return next((p["containerPort"] for p in ports if p.get("name") == "http"), None)
 
-    async def _env(self, container: Mapping[str, Any],
-                   mounts: Sequence[tuple[str, Path]]) -> dict[str, str]:
+    async def _env(
+        self, container: Mapping[str, Any], mounts: Sequence[tuple[str, Path]]
+    ) -> dict[str, str]:
         env = {"PATH": self.kubelet.path_variable, "HOSTNAME": self.name, **IMAGE_ENV}
         tmp = next((directory for path, directory in mounts if path == "/tmp"), None)
         if tmp is not None:
@@ -329,25 +361,31 @@ class LocalPod:
                 env[item["name"]] = value
         return env
 
-    async def _env_from(self, source: Mapping[str, Any], name: str,
-                        container: Mapping[str, Any]) -> str | None:
+    async def _env_from(
+        self, source: Mapping[str, Any], name: str, container: Mapping[str, Any]
+    ) -> str | None:
         resource_ref = source.get("resourceFieldRef")
         if resource_ref is not None:
             return resource_field(container, resource_ref, name)
         field_ref = source.get("fieldRef")
         if field_ref is not None:
-            values = {"metadata.name": self.name, "metadata.namespace": self.kubelet.namespace,
-                      "status.podIP": LOOPBACK}
+            values = {
+                "metadata.name": self.name,
+                "metadata.namespace": self.kubelet.namespace,
+                "status.podIP": LOOPBACK,
+            }
             if field_ref.get("fieldPath") not in values:
-                raise PodConfigError(f"env {name}: fieldRef {field_ref.get('fieldPath')} "
-                                     "is not emulated")
+                raise PodConfigError(
+                    f"env {name}: fieldRef {field_ref.get('fieldPath')} is not emulated"
+                )
             return values[field_ref["fieldPath"]]
         for kind, plural in (("secretKeyRef", "secrets"), ("configMapKeyRef", "configmaps")):
             ref = source.get(kind)
             if ref is None:
                 continue
             obj = await self.kubelet.kube.get(
-                collection_path("v1", plural, self.kubelet.namespace) + f"/{ref['name']}")
+                collection_path("v1", plural, self.kubelet.namespace) + f"/{ref['name']}"
+            )
             data = (obj or {}).get("data") or {}
             if ref["key"] not in data:
                 if ref.get("optional"):
@@ -358,15 +396,20 @@ class LocalPod:
             return base64.b64decode(value).decode() if kind == "secretKeyRef" else value
         raise PodConfigError(f"env {name}: unsupported valueFrom {sorted(source)}")
 
-    def _spawn(self, argv: list[str], env: dict[str, str], log: Path
-               ) -> subprocess.Popen[bytes]:
+    def _spawn(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
         executable = shutil.which(argv[0], path=env["PATH"])
         if executable is None:
             raise FileNotFoundError(f'exec: "{argv[0]}": executable file not found in $PATH')
         with log.open("ab") as out:
-            process = subprocess.Popen([executable, *argv[1:]], env=env, cwd=self.dir,
-                                       stdin=subprocess.DEVNULL, stdout=out,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(
+                [executable, *argv[1:]],
+                env=env,
+                cwd=self.dir,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.process_groups.append(process.pid)
         return process
 
@@ -376,8 +419,9 @@ class LocalPod:
         run.env = await self._env(spec, mounts)
         command = spec.get("command") or []
         if not command:
-            raise PodConfigError(f"container {run.name}: no command (the image's own "
-                                 "entrypoint is not known here)")
+            raise PodConfigError(
+                f"container {run.name}: no command (the image's own entrypoint is not known here)"
+            )
         argv = [*command, *local_args(spec.get("args") or [], self.host_ports, mounts)]
         run.process = self._spawn(argv, run.env, self.log_path(run))
         run.started_at = now_rfc3339()
@@ -424,8 +468,10 @@ class LocalPod:
                     return
                 run.last_terminated, run.terminated = run.terminated, None
                 run.restarts += 1
-                run.waiting = ("CrashLoopBackOff", f"back-off {backoff:g}s restarting failed "
-                                                   f"container={run.name} pod={self.name}")
+                run.waiting = (
+                    "CrashLoopBackOff",
+                    f"back-off {backoff:g}s restarting failed container={run.name} pod={self.name}",
+                )
                 await self.publish()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_RESTART_BACKOFF)
@@ -451,8 +497,10 @@ class LocalPod:
                 run.last_terminated = _terminated(run.process.returncode, run.started_at)
                 run.restarts += 1
                 run.ready = run.started = False
-                run.waiting = ("CrashLoopBackOff", f"back-off {backoff:g}s restarting failed "
-                                                   f"container={run.name} pod={self.name}")
+                run.waiting = (
+                    "CrashLoopBackOff",
+                    f"back-off {backoff:g}s restarting failed container={run.name} pod={self.name}",
+                )
                 await self.publish()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_RESTART_BACKOFF)
@@ -471,8 +519,8 @@ class LocalPod:
         first = startup or readiness
         if first:
             await self._sleep_while_running(
-                run, min(float(first.get("initialDelaySeconds", 0)),
-                         self.kubelet.max_probe_period))
+                run, min(float(first.get("initialDelaySeconds", 0)), self.kubelet.max_probe_period)
+            )
         failures = 0
         while run.running and startup is not None and not run.started:
             if await self._probe(run, startup):
@@ -496,13 +544,16 @@ class LocalPod:
                     run.ready = False
             await self.publish()
             await self._sleep_while_running(
-                run, self._period(readiness) if readiness else POLL_SECONDS * 5)
+                run, self._period(readiness) if readiness else POLL_SECONDS * 5
+            )
         await self.publish()
 
     def _probe_port(self, run: ContainerRun, port: int | str) -> int | None:
         if isinstance(port, str) and not port.isdigit():
-            port = next((p["containerPort"] for p in run.spec.get("ports") or []
-                         if p.get("name") == port), -1)
+            port = next(
+                (p["containerPort"] for p in run.spec.get("ports") or [] if p.get("name") == port),
+                -1,
+            )
         return self.host_ports.get(int(port))
 
     async def _probe(self, run: ContainerRun, probe: Mapping[str, Any]) -> bool:
@@ -514,7 +565,8 @@ class LocalPod:
                 return False
             try:
                 response = await self.kubelet.http.get(
-                    f"http://{LOOPBACK}:{port}{action.get('path', '/')}", timeout=timeout)
+                    f"http://{LOOPBACK}:{port}{action.get('path', '/')}", timeout=timeout
+                )
             except httpx.HTTPError:
                 return False
             return 200 <= response.status_code < 400
@@ -523,8 +575,7 @@ class LocalPod:
             if port is None:
                 return False
             try:
-                _, writer = await asyncio.wait_for(
-                    asyncio.open_connection(LOOPBACK, port), timeout)
+                _, writer = await asyncio.wait_for(asyncio.open_connection(LOOPBACK, port), timeout)
             except (OSError, asyncio.TimeoutError):
                 return False
             writer.close()
@@ -554,8 +605,10 @@ class LocalPod:
         self.kill_all()
         for run in running:
             run.process.wait()  # type: ignore[union-attr]
-            run.terminated = _terminated(run.process.returncode,  # type: ignore[union-attr]
-                                         run.started_at)
+            run.terminated = _terminated(
+                run.process.returncode,  # type: ignore[union-attr]
+                run.started_at,
+            )
             run.ready = False
         self.finished = True
         if api:
@@ -595,8 +648,14 @@ class LocalPod:
 class KubeletStandin:
     """All pods of one namespace, started, probed and stopped as the real kubelet would."""
 
-    def __init__(self, kube: KubeRest, namespace: str, root: Path, bin_dirs: Sequence[str],
-                 max_probe_period: float = 1.0):
+    def __init__(
+        self,
+        kube: KubeRest,
+        namespace: str,
+        root: Path,
+        bin_dirs: Sequence[str],
+        max_probe_period: float = 1.0,
+    ):
         self.kube = kube
         self.namespace = namespace
         self.root = root
@@ -627,8 +686,10 @@ class KubeletStandin:
                 if local is None:
                     await self.release(pod["metadata"]["name"])
                 elif not local.terminating:
-                    grace = pod["metadata"].get("deletionGracePeriodSeconds", pod["spec"].get(
-                        "terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS))
+                    grace = pod["metadata"].get(
+                        "deletionGracePeriodSeconds",
+                        pod["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS),
+                    )
                     self._stop(local.terminate(float(grace)))
                 continue
             if local is None:
@@ -664,5 +725,8 @@ class KubeletStandin:
         return {name: pids for name, pids in alive.items() if pids}
 
     def logs(self) -> dict[str, Path]:
-        return {f"{local.name}/{path.stem}": path for local in self.pods.values()
-                for path in sorted(local.dir.glob("*.log"))}
+        return {
+            f"{local.name}/{path.stem}": path
+            for local in self.pods.values()
+            for path in sorted(local.dir.glob("*.log"))
+        }

@@ -50,6 +50,7 @@ STANDIN_INTERVAL = 0.25
 # The namespace of the emulator's kubeconfig context, where the stand-ins run things.
 NAMESPACE = "default"
 
+
 def _tail(path: Path, lines: int) -> str:
     if not path.exists():
         return "(no log)"
@@ -63,8 +64,7 @@ class Standins:
         self.server, self.namespace, self.root = server, namespace, root
         self.log_path = root / "standins.log"
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="standins",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_forever, name="standins", daemon=True)
         self.kubelet: KubeletStandin | None = None
         self.proxies: ServiceProxies | None = None
         self._stop = threading.Event()
@@ -81,8 +81,11 @@ class Standins:
         self.proxies = ServiceProxies(kube, self.namespace)
         try:
             while not self._stop.is_set():
-                for sync in (lambda: deployments.sync(_now()), self.kubelet.sync,
-                             self.proxies.sync):
+                for sync in (
+                    lambda: deployments.sync(_now()),
+                    self.kubelet.sync,
+                    self.proxies.sync,
+                ):
                     try:
                         await sync()
                     except Exception:
@@ -117,13 +120,18 @@ def _now() -> str:
 class LocalProcess:
     """A child process in its own process group, logging to a file."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], cwd: Path,
-                 log_path: Path):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], cwd: Path, log_path: Path):
         self.name, self.log_path = name, log_path
         with log_path.open("ab") as log:
-            self.process = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                            stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def stop(self, grace: float = 10) -> None:
         if self.process.poll() is None:
@@ -152,11 +160,24 @@ class LocalCluster:
     def start_api_server(self) -> None:
         self.api_server = LocalProcess(
             "kube-emulator",
-            [sys.executable, "-m", "e2e.kube_emulator", "--port", "0",
-             "--kubeconfig", str(self.kubeconfig)],
-            {**os.environ}, REPO, self.workdir / "emulator.log")
-        eventually(lambda: self.kubeconfig.exists() or self._exited(self.api_server),
-                   timeout=30, what="the API emulator")
+            [
+                sys.executable,
+                "-m",
+                "e2e.kube_emulator",
+                "--port",
+                "0",
+                "--kubeconfig",
+                str(self.kubeconfig),
+            ],
+            {**os.environ},
+            REPO,
+            self.workdir / "emulator.log",
+        )
+        eventually(
+            lambda: self.kubeconfig.exists() or self._exited(self.api_server),
+            timeout=30,
+            what="the API emulator",
+        )
         self._check_running(self.api_server)
         config = yaml.safe_load(self.kubeconfig.read_text())
         self.server = config["clusters"][0]["cluster"]["server"]
@@ -171,24 +192,40 @@ class LocalCluster:
         manifest = yaml.safe_load(OPERATOR_MANIFEST.read_text())
         container = manifest["spec"]["template"]["spec"]["containers"][0]
         health_port = free_port(set())
-        args = [f"--liveness=http://{LOOPBACK}:{health_port}/healthz"
-                if arg.startswith("--liveness=") else arg for arg in container.get("args", [])]
-        env = {"PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}",
-               "HOME": str(self.workdir), "KUBECONFIG": str(self.kubeconfig),
-               **{item["name"]: item["value"] for item in container.get("env") or []},
-               **FAST_OPERATOR_ENV}
+        args = [
+            f"--liveness=http://{LOOPBACK}:{health_port}/healthz"
+            if arg.startswith("--liveness=")
+            else arg
+            for arg in container.get("args", [])
+        ]
+        env = {
+            "PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}",
+            "HOME": str(self.workdir),
+            "KUBECONFIG": str(self.kubeconfig),
+            **{item["name"]: item["value"] for item in container.get("env") or []},
+            **FAST_OPERATOR_ENV,
+        }
         executable = shutil.which(container["command"][0], path=env["PATH"])
         assert executable is not None, f"{container['command'][0]} is not installed"
         # Not the repository root: there the folder operator/ would shadow the standard
         # library's `operator` module.
-        self.operator = LocalProcess("operator", [executable, *container["command"][1:], *args],
-                                     env, self.workdir, self.workdir / "operator.log")
+        self.operator = LocalProcess(
+            "operator",
+            [executable, *container["command"][1:], *args],
+            env,
+            self.workdir,
+            self.workdir / "operator.log",
+        )
 
         def healthy() -> bool:
             self._check_running(self.operator)
             try:
-                return httpx.get(f"http://{LOOPBACK}:{health_port}/healthz", timeout=1,
-                                 trust_env=False).status_code == 200
+                return (
+                    httpx.get(
+                        f"http://{LOOPBACK}:{health_port}/healthz", timeout=1, trust_env=False
+                    ).status_code
+                    == 200
+                )
             except httpx.HTTPError:
                 return False
 
@@ -201,8 +238,9 @@ class LocalCluster:
     def _check_running(self, process: LocalProcess | None) -> None:
         if self._exited(process):
             assert process is not None
-            raise AssertionError(f"{process.name} exited with code "
-                                 f"{process.process.returncode}:\n{process.log(60)}")
+            raise AssertionError(
+                f"{process.name} exited with code {process.process.returncode}:\n{process.log(60)}"
+            )
 
     # --- using -----------------------------------------------------------------------------
 
@@ -210,12 +248,18 @@ class LocalCluster:
         """kubectl with the emulator's kubeconfig (its context's namespace is `default`)."""
         kubectl = shutil.which("kubectl")
         assert kubectl is not None, "kubectl is not on PATH"
-        result = subprocess.run([kubectl, *args], text=True,
-                                capture_output=True, timeout=timeout,
-                                env={**os.environ, "KUBECONFIG": str(self.kubeconfig)})
+        result = subprocess.run(
+            [kubectl, *args],
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+            env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
+        )
         if check and result.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n"
-                                 f"{result.stdout}{result.stderr}")
+            raise AssertionError(
+                f"kubectl {' '.join(args)} failed ({result.returncode}):\n"
+                f"{result.stdout}{result.stderr}"
+            )
         return result.stdout + result.stderr
 
     def get(self, path: str) -> dict[str, Any] | None:
@@ -233,8 +277,11 @@ class LocalCluster:
 
     def service_url(self, name: str) -> str:
         assert self.standins is not None
-        return eventually(lambda: self.standins.service_url(name), timeout=30,
-                          what=f"Service {name}'s stand-in listener")
+        return eventually(
+            lambda: self.standins.service_url(name),
+            timeout=30,
+            what=f"Service {name}'s stand-in listener",
+        )
 
     def pod_processes(self) -> dict[str, list[int]]:
         """Pod name -> its live processes."""
@@ -265,14 +312,26 @@ class LocalCluster:
         """What explains a red run: the objects, the operator's log, the pods' logs."""
         sections = []
         if self.api_server is not None and not self._exited(self.api_server):
-            for args in (["get", "pllm,deploy,rs,pod,svc,pdb", "-o", "wide"],
-                         ["get", "pllm", "-o", "yaml"],
-                         ["get", "deploy", "-o", "jsonpath={range .items[*]}{.metadata.name}"
-                          " generation={.metadata.generation} {.status}{'\\n'}{end}"],
-                         ["get", "pods", "-o", "jsonpath={range .items[*]}{.metadata.name} "
-                          "{.metadata.deletionTimestamp} {.status.conditions}"
-                          " {.status.containerStatuses}{'\\n'}{end}"],
-                         ["get", "events", "--sort-by=.lastTimestamp"]):
+            for args in (
+                ["get", "pllm,deploy,rs,pod,svc,pdb", "-o", "wide"],
+                ["get", "pllm", "-o", "yaml"],
+                [
+                    "get",
+                    "deploy",
+                    "-o",
+                    "jsonpath={range .items[*]}{.metadata.name}"
+                    " generation={.metadata.generation} {.status}{'\\n'}{end}",
+                ],
+                [
+                    "get",
+                    "pods",
+                    "-o",
+                    "jsonpath={range .items[*]}{.metadata.name} "
+                    "{.metadata.deletionTimestamp} {.status.conditions}"
+                    " {.status.containerStatuses}{'\\n'}{end}",
+                ],
+                ["get", "events", "--sort-by=.lastTimestamp"],
+            ):
                 try:
                     output = self.kubectl(*args, timeout=20, check=False)
                 except subprocess.TimeoutExpired:

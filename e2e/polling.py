@@ -9,8 +9,12 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def eventually(probe: Callable[[], T | None], timeout: float = 10.0, what: str = "condition",
-               interval: float = 0.25) -> T:
+def eventually(
+    probe: Callable[[], T | None],
+    timeout: float = 10.0,
+    what: str = "condition",
+    interval: float = 0.25,
+) -> T:
     """Poll until probe() returns something truthy; fail with the last value otherwise."""
     deadline = time.monotonic() + timeout
     last: object = None

@@ -37,18 +37,25 @@ def endpoint_port(pod: Mapping[str, Any], target_port: int | str) -> int | None:
     if isinstance(target_port, int) or str(target_port).isdigit():
         container_port = int(target_port)
     else:
-        container_port = next((p["containerPort"]
-                               for c in pod["spec"].get("containers") or []
-                               for p in c.get("ports") or [] if p.get("name") == target_port),
-                              None)
-    host_ports = json.loads(pod["metadata"].get("annotations", {}).get(HOST_PORTS_ANNOTATION)
-                            or "{}")
+        container_port = next(
+            (
+                p["containerPort"]
+                for c in pod["spec"].get("containers") or []
+                for p in c.get("ports") or []
+                if p.get("name") == target_port
+            ),
+            None,
+        )
+    host_ports = json.loads(
+        pod["metadata"].get("annotations", {}).get(HOST_PORTS_ANNOTATION) or "{}"
+    )
     port = host_ports.get(str(container_port))
     return int(port) if port is not None else None
 
 
-def ready_endpoints(service: Mapping[str, Any], service_port: Mapping[str, Any],
-                    pods: list[dict[str, Any]]) -> list[tuple[str, int]]:
+def ready_endpoints(
+    service: Mapping[str, Any], service_port: Mapping[str, Any], pods: list[dict[str, Any]]
+) -> list[tuple[str, int]]:
     selector = service["spec"].get("selector") or {}
     target = service_port.get("targetPort", service_port["port"])
     endpoints = []
@@ -90,8 +97,9 @@ class PortProxy:
             handler.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
 
-    async def _accept(self, client_reader: asyncio.StreamReader,
-                      client_writer: asyncio.StreamWriter) -> None:
+    async def _accept(
+        self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
+    ) -> None:
         handler = asyncio.current_task()
         assert handler is not None
         self._handlers.add(handler)
@@ -100,8 +108,9 @@ class PortProxy:
         finally:
             self._handlers.discard(handler)
 
-    async def _forward(self, client_reader: asyncio.StreamReader,
-                       client_writer: asyncio.StreamWriter) -> None:
+    async def _forward(
+        self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
+    ) -> None:
         endpoints = list(self.endpoints)
         if not endpoints:
             client_writer.close()

@@ -33,8 +33,13 @@ PLLM = f"/apis/pagedllm.io/v1alpha1/namespaces/{NAMESPACE}/pagedllms/{NAME}"
 PODS = f"/api/v1/namespaces/{NAMESPACE}/pods"
 # The autoscaling phase: a batch of two makes queue depth easy to reach on the demo model.
 ROLLOUT_MAX_NUM_SEQS = 2
-AUTOSCALING = {"minReplicas": 1, "maxReplicas": 3, "metric": "waitingRequests", "target": 2,
-               "scaleDownDelaySeconds": 10}
+AUTOSCALING = {
+    "minReplicas": 1,
+    "maxReplicas": 3,
+    "metric": "waitingRequests",
+    "target": 2,
+    "scaleDownDelaySeconds": 10,
+}
 LOAD_CLIENTS = 8
 # Longer than a stopping pod's preStop pause on the demo model.
 LONG_STREAM_TOKENS = 600
@@ -84,15 +89,15 @@ def pagedllm(cluster: LocalCluster) -> dict[str, Any]:
 
 
 def condition(body: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in (body.get("status") or {}).get("conditions") or []
-                 if c["type"] == kind), {})
+    return next(
+        (c for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == kind), {}
+    )
 
 
 def pod_metric(pod: dict[str, Any], name: str) -> float:
     """A metric from the pod's own /metrics (its loopback port)."""
     ports = json.loads(pod["metadata"]["annotations"][HOST_PORTS_ANNOTATION])
-    text = httpx.get(f"http://127.0.0.1:{ports['8000']}/metrics", timeout=5,
-                     trust_env=False).text
+    text = httpx.get(f"http://127.0.0.1:{ports['8000']}/metrics", timeout=5, trust_env=False).text
     return parse_prometheus_value(text, name) or 0.0
 
 
@@ -105,10 +110,12 @@ def ready_with(cluster: LocalCluster, replicas: int) -> dict[str, Any] | None:
     """The PagedLLM once it is Ready with exactly `replicas` serving pods and no others."""
     body = pagedllm(cluster)
     status = body.get("status") or {}
-    if (status.get("observedGeneration") == body["metadata"]["generation"]
-            and condition(body, "Ready").get("status") == "True"
-            and status.get("readyReplicas") == replicas
-            and len(serving_pods(cluster)) == replicas == len(pods(cluster))):
+    if (
+        status.get("observedGeneration") == body["metadata"]["generation"]
+        and condition(body, "Ready").get("status") == "True"
+        and status.get("readyReplicas") == replicas
+        and len(serving_pods(cluster)) == replicas == len(pods(cluster))
+    ):
         return body
     return None
 
@@ -142,8 +149,9 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
 
     with steps("kubectl apply -k manifests/ (namespace, CRD, RBAC, operator Deployment)"):
         cluster.kubectl("apply", "-k", str(REPO / "manifests"))
-        cluster.kubectl("wait", "--for=condition=Established", "crd/pagedllms.pagedllm.io",
-                        "--timeout=30s")
+        cluster.kubectl(
+            "wait", "--for=condition=Established", "crd/pagedllms.pagedllm.io", "--timeout=30s"
+        )
 
     with steps("run the operator as manifests/operator.yaml runs it (short timers)"):
         cluster.start_operator()
@@ -152,8 +160,9 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         cluster.kubectl("apply", "-f", str(SCENARIO))
 
     with steps("kubectl wait --for=condition=Ready pllm/demo"):
-        cluster.kubectl("wait", "--for=condition=Ready", f"pllm/{NAME}", "--timeout=180s",
-                        timeout=200)
+        cluster.kubectl(
+            "wait", "--for=condition=Ready", f"pllm/{NAME}", "--timeout=180s", timeout=200
+        )
         eventually(lambda: ready_with(cluster, 2), timeout=30, what="2 serving pods")
         assert set(cluster.pod_processes()) == {p["metadata"]["name"] for p in pods(cluster)}
         steps.say(cluster.kubectl("get", "pllm,deploy,pods", "-o", "wide"))
@@ -164,29 +173,49 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
 
     with steps("kubectl scale pllm/demo --replicas=3; three ready pods serve"):
         cluster.kubectl("scale", f"pllm/{NAME}", "--replicas=3")
-        cluster.kubectl("wait", "--for=jsonpath={.status.readyReplicas}=3", f"pllm/{NAME}",
-                        "--timeout=180s", timeout=200)
+        cluster.kubectl(
+            "wait",
+            "--for=jsonpath={.status.readyReplicas}=3",
+            f"pllm/{NAME}",
+            "--timeout=180s",
+            timeout=200,
+        )
         cluster.kubectl("wait", "--for=condition=Ready", f"pllm/{NAME}", "--timeout=60s")
         eventually(lambda: ready_with(cluster, 3), timeout=30, what="3 serving pods")
         every_pod_answers(cluster, base_url)
 
-    with steps(f"change spec.engine.maxNumSeqs to {ROLLOUT_MAX_NUM_SEQS}: a rolling update "
-               "while a client keeps streaming"):
+    with steps(
+        f"change spec.engine.maxNumSeqs to {ROLLOUT_MAX_NUM_SEQS}: a rolling update "
+        "while a client keeps streaming"
+    ):
         rolling_update(cluster, base_url, steps)
 
     with steps("autoscaling (min 1, max 3, waitingRequests): idle, it goes down to min"):
-        cluster.kubectl("patch", "pllm", NAME, "--type=merge",
-                        "-p", json.dumps({"spec": {"autoscaling": AUTOSCALING}}))
+        cluster.kubectl(
+            "patch",
+            "pllm",
+            NAME,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"autoscaling": AUTOSCALING}}),
+        )
         eventually(lambda: ready_with(cluster, 1), timeout=90, what="1 replica (the minimum)")
 
-    with steps(f"a load generator ({LOAD_CLIENTS} streaming clients) raises queue depth: "
-               "replicas grow"):
+    with steps(
+        f"a load generator ({LOAD_CLIENTS} streaming clients) raises queue depth: replicas grow"
+    ):
         with Load(base_url, MODEL, LOAD_CLIENTS) as load:
-            eventually(lambda: pagedllm(cluster)["spec"]["replicas"] > 1, timeout=60,
-                       what="the autoscaler to scale up")
+            eventually(
+                lambda: pagedllm(cluster)["spec"]["replicas"] > 1,
+                timeout=60,
+                what="the autoscaler to scale up",
+            )
             steps.say(f"   {latest_event(cluster, 'ScaledUp')}")
-            grown = eventually(lambda: scaled_up_and_serving(cluster), timeout=150,
-                               what="the added replicas to serve")
+            grown = eventually(
+                lambda: scaled_up_and_serving(cluster),
+                timeout=150,
+                what="the added replicas to serve",
+            )
             steps.say(f"   {grown} replicas serve")
         assert load.stats.requests > 0
 
@@ -196,14 +225,21 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
 
     with steps("kubectl delete pllm/demo: pods and Service gone, no process left"):
         cluster.kubectl("delete", "pllm", NAME, "--timeout=60s")
-        cluster.kubectl("wait", "--for=delete", "pod", "-l", SELECTOR, "--timeout=120s",
-                        timeout=140)
+        cluster.kubectl(
+            "wait", "--for=delete", "pod", "-l", SELECTOR, "--timeout=120s", timeout=140
+        )
         # The garbage collector also removes what a reconcile in flight created just after.
-        eventually(lambda: "No resources found" in cluster.kubectl(
-            "get", "deploy,rs,svc,pdb,pods", "-l", SELECTOR), timeout=30,
-            what="the PagedLLM's children to be gone")
-        eventually(lambda: not cluster.pod_processes(), timeout=30,
-                   what="every pod process to exit")
+        eventually(
+            lambda: (
+                "No resources found"
+                in cluster.kubectl("get", "deploy,rs,svc,pdb,pods", "-l", SELECTOR)
+            ),
+            timeout=30,
+            what="the PagedLLM's children to be gone",
+        )
+        eventually(
+            lambda: not cluster.pod_processes(), timeout=30, what="every pod process to exit"
+        )
 
 
 def scaled_up_and_serving(cluster: LocalCluster) -> int | None:
@@ -215,9 +251,15 @@ def scaled_up_and_serving(cluster: LocalCluster) -> int | None:
 
 
 def latest_event(cluster: LocalCluster, reason: str) -> str:
-    messages = cluster.kubectl("get", "events", f"--field-selector=reason={reason}",
-                               "--sort-by=.lastTimestamp", "-o",
-                               "custom-columns=MESSAGE:.message", "--no-headers")
+    messages = cluster.kubectl(
+        "get",
+        "events",
+        f"--field-selector=reason={reason}",
+        "--sort-by=.lastTimestamp",
+        "-o",
+        "custom-columns=MESSAGE:.message",
+        "--no-headers",
+    )
     return f"{reason}: {messages.strip().splitlines()[-1]}"
 
 
@@ -226,8 +268,12 @@ def every_pod_answers(cluster: LocalCluster, base_url: str) -> None:
     ready = serving_pods(cluster)
     before = {p["metadata"]["name"]: pod_metric(p, "vllm:request_success_total") for p in ready}
     for _ in range(2 * len(ready)):
-        response = httpx.post(f"{base_url}/completions", timeout=60, trust_env=False, json={
-            "model": MODEL, "prompt": "Hello", "max_tokens": 4})
+        response = httpx.post(
+            f"{base_url}/completions",
+            timeout=60,
+            trust_env=False,
+            json={"model": MODEL, "prompt": "Hello", "max_tokens": 4},
+        )
         response.raise_for_status()
     after = {p["metadata"]["name"]: pod_metric(p, "vllm:request_success_total") for p in ready}
     idle = [name for name in before if after[name] <= before[name]]
@@ -245,25 +291,36 @@ def rolling_update(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
         if not reasons or reasons[-1] != reason:
             reasons.append(reason)
         current = pods(cluster)
-        return (ready_with(cluster, 3) is not None
-                and reason == "Complete"
-                and not old_pods & {p["metadata"]["name"] for p in current}
-                and all(engine_flag(p, "--max-num-seqs") == str(ROLLOUT_MAX_NUM_SEQS)
-                        for p in current))
+        return (
+            ready_with(cluster, 3) is not None
+            and reason == "Complete"
+            and not old_pods & {p["metadata"]["name"] for p in current}
+            and all(engine_flag(p, "--max-num-seqs") == str(ROLLOUT_MAX_NUM_SEQS) for p in current)
+        )
 
     # Short streams back to back, and long ones that outlast a stopping pod's preStop pause,
     # so that some are still running when their pod is told to drain.
-    with KeepStreaming(base_url, MODEL) as short, \
-            KeepStreaming(base_url, MODEL, max_tokens=LONG_STREAM_TOKENS, ignore_eos=True) as long:
+    with (
+        KeepStreaming(base_url, MODEL) as short,
+        KeepStreaming(base_url, MODEL, max_tokens=LONG_STREAM_TOKENS, ignore_eos=True) as long,
+    ):
         time.sleep(1)  # streaming before the rollout starts
-        cluster.kubectl("patch", "pllm", NAME, "--type=merge", "-p", json.dumps(
-            {"spec": {"engine": {"maxNumSeqs": ROLLOUT_MAX_NUM_SEQS}}}))
+        cluster.kubectl(
+            "patch",
+            "pllm",
+            NAME,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"engine": {"maxNumSeqs": ROLLOUT_MAX_NUM_SEQS}}}),
+        )
         eventually(rolled_out, timeout=240, what="the rollout to finish", interval=0.5)
         cluster.kubectl("rollout", "status", f"deployment/{NAME}", "--timeout=10s")
         time.sleep(1)  # and streaming on the new pods
     for kind, stats in (("short", short.stats), ("long", long.stats)):
-        steps.say(f"   {stats.requests} {kind} streams during the rollout "
-                  f"({stats.tokens} tokens), {len(stats.failures)} failed")
+        steps.say(
+            f"   {stats.requests} {kind} streams during the rollout "
+            f"({stats.tokens} tokens), {len(stats.failures)} failed"
+        )
         assert not stats.failures, f"{kind} streams failed during the rollout: {stats.failures}"
         assert stats.requests > 0
     steps.say(f"   Progressing reasons seen: {reasons}")

@@ -53,8 +53,12 @@ def compiler_flags() -> list[str]:
 def build_dir() -> Path:
     root = os.environ.get(KERNEL_DIR_ENV) or cache_root() / "kernels"
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(compiler_flags()).encode(),
-                 torch.__version__.encode(), sys.version.encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        " ".join(compiler_flags()).encode(),
+        torch.__version__.encode(),
+        sys.version.encode(),
+    ):
         digest.update(part)
     return Path(root) / f"{NAME}-{digest.hexdigest()[:16]}"
 
@@ -64,8 +68,14 @@ def _build(target: Path) -> None:
 
     target.mkdir(parents=True, exist_ok=True)
     log.info("compiling the CPU attention kernels into %s (once per machine kind)", target)
-    cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=compiler_flags(),
-                       build_directory=str(target), is_python_module=False, verbose=False)
+    cpp_extension.load(
+        name=NAME,
+        sources=[str(SOURCE)],
+        extra_cflags=compiler_flags(),
+        build_directory=str(target),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 @cache

@@ -42,19 +42,22 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) ->
     return flat[:, :num_tokens].transpose(1, 2)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-          scale: float) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, allowed ``[B, Lq, Lk]`` -> ``[B, Lq, Hq, D]``.
 
     Rows with no allowed key (a window past every key cannot happen, but padding can) give 0.
     """
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=True
+    )
     return out.nan_to_num(0.0).transpose(1, 2)
 
 
-def _allowed(q_positions: torch.Tensor, k_len: torch.Tensor, num_keys: int,
-             sliding_window: int | None) -> torch.Tensor:
+def _allowed(
+    q_positions: torch.Tensor, k_len: torch.Tensor, num_keys: int, sliding_window: int | None
+) -> torch.Tensor:
     """``[B, Lq, Lk]``: which keys each query may see (causal, within the sequence and window)."""
     k_pos = torch.arange(num_keys, device=q_positions.device)[None, None, :]
     allowed = (k_pos <= q_positions[:, :, None]) & (k_pos < k_len[:, None, None])
@@ -76,8 +79,14 @@ def decode_attention(
     seq_lens_k = seq_lens_k.long().contiguous()
     if cpu_extension.load():
         return torch.ops.pagedllm_cpu.paged_decode_attention(
-            q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(), seq_lens_k,
-            scale, sliding_window or 0)
+            q,
+            k_cache,
+            v_cache,
+            block_tables.to(torch.int32).contiguous(),
+            seq_lens_k,
+            scale,
+            sliding_window or 0,
+        )
     num_keys = int(seq_lens_k.max())
     k = _gather(k_cache, block_tables, num_keys)
     v = _gather(v_cache, block_tables, num_keys)
@@ -102,12 +111,22 @@ def paged_attention(
     if num_seqs == 0:
         return torch.empty_like(q)
     if q.dtype != k_cache.dtype:  # a cache kept in another dtype than the activations
-        return paged_attention(q.to(k_cache.dtype), k_cache, v_cache, block_tables,
-                               cu_seqlens_q, seq_lens_k, scale, sliding_window, max_seqlen_q,
-                               max_seqlen_k).to(q.dtype)
+        return paged_attention(
+            q.to(k_cache.dtype),
+            k_cache,
+            v_cache,
+            block_tables,
+            cu_seqlens_q,
+            seq_lens_k,
+            scale,
+            sliding_window,
+            max_seqlen_q,
+            max_seqlen_k,
+        ).to(q.dtype)
     if max_seqlen_q == 1 and q.shape[0] == num_seqs:  # a pure decode step
-        return decode_attention(q, k_cache, v_cache, block_tables, seq_lens_k, scale,
-                                sliding_window)
+        return decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens_k, scale, sliding_window
+        )
     out = q.new_zeros(q.shape)
     seq_lens_k = seq_lens_k.long()
     starts = cu_seqlens_q[:-1].long()
@@ -115,8 +134,15 @@ def paged_attention(
     decode = (q_lens == 1).nonzero()[:, 0]
     if decode.numel():
         rows = starts[decode]
-        out[rows] = decode_attention(q[rows], k_cache, v_cache, block_tables[decode],
-                                     seq_lens_k[decode], scale, sliding_window)
+        out[rows] = decode_attention(
+            q[rows],
+            k_cache,
+            v_cache,
+            block_tables[decode],
+            seq_lens_k[decode],
+            scale,
+            sliding_window,
+        )
     for i in (q_lens > 1).nonzero()[:, 0].tolist():
         start, q_len, k_len = int(starts[i]), int(q_lens[i]), int(seq_lens_k[i])
         k = _gather(k_cache, block_tables[i : i + 1], k_len)
@@ -124,5 +150,6 @@ def paged_attention(
         positions = torch.arange(k_len - q_len, k_len, device=q.device)[None]
         allowed = _allowed(positions, seq_lens_k[i : i + 1], k_len, sliding_window)
         out[start : start + q_len] = _sdpa(
-            q[None, start : start + q_len].transpose(1, 2), k, v, allowed, scale)[0]
+            q[None, start : start + q_len].transpose(1, 2), k, v, allowed, scale
+        )[0]
     return out

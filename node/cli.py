@@ -23,8 +23,9 @@ HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm",
-                                     description="LLM serving with a paged KV cache")
+    parser = argparse.ArgumentParser(
+        prog="pagedllm", description="LLM serving with a paged KV cache"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -47,8 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     download.add_argument("source", metavar="hf://ORG/NAME[@REVISION]")
     download.add_argument("directory", metavar="DIR")
 
-    commands.add_parser("operator", help="run the Kubernetes operator (kopf run options "
-                                         "follow)", add_help=False)
+    commands.add_parser(
+        "operator", help="run the Kubernetes operator (kopf run options follow)", add_help=False
+    )
     return parser
 
 
@@ -83,8 +85,9 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pagedllm import LLM, SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                seed=args.seed)
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
         llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory)
     except ValueError as error:
         parser.error(str(error))
@@ -99,8 +102,9 @@ def _download(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"expected hf://ORG/NAME or hf://ORG/NAME@REVISION, got {args.source!r}")
     from huggingface_hub import snapshot_download
 
-    path = snapshot_download(repo_id=match["repo"], revision=match["revision"],
-                             local_dir=args.directory)
+    path = snapshot_download(
+        repo_id=match["repo"], revision=match["revision"], local_dir=args.directory
+    )
     print(path)
     return 0
 

@@ -59,8 +59,7 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm,
-                   unit="req")
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req")
         try:
             while len(done) < len(wanted) and self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -87,8 +86,10 @@ class LLM:
         prompts: list[Prompt] = []
         for conversation in conversations:
             ids = self.engine.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template, tokenize=True,
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tokenize=True,
             )
             if not isinstance(ids, list):  # newer transformers return a BatchEncoding
                 ids = ids["input_ids"]

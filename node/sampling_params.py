@@ -61,42 +61,89 @@ class SamplingParams:
                 f"must be an integer >= n ({self.n})",
                 self.best_of,
             )
-        _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]",
-                 self.presence_penalty)
-        _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-                 "must be in [-2, 2]", self.frequency_penalty)
-        _require(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0",
-                 self.repetition_penalty)
+        _require(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            "must be in [-2, 2]",
+            self.presence_penalty,
+        )
+        _require(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+            self.frequency_penalty,
+        )
+        _require(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            "must be > 0",
+            self.repetition_penalty,
+        )
         _require(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
         _require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
-        _require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
-                 "must be -1 (disable), 0 (disable) or a positive integer", self.top_k)
+        _require(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            "must be -1 (disable), 0 (disable) or a positive integer",
+            self.top_k,
+        )
         _require(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
         if self.seed is not None:
             _require(isinstance(self.seed, int), "seed", "must be an integer", self.seed)
         if self.max_tokens is not None:
-            _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
-                     "must be an integer >= 1", self.max_tokens)
-        _require(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
-                 "must be an integer >= 0", self.min_tokens)
+            _require(
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "max_tokens",
+                "must be an integer >= 1",
+                self.max_tokens,
+            )
+        _require(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            "must be an integer >= 0",
+            self.min_tokens,
+        )
         if self.max_tokens is not None:
-            _require(self.min_tokens <= self.max_tokens, "min_tokens",
-                     f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
+            _require(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens})",
+                self.min_tokens,
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _require(isinstance(value, int) and value >= 0, name,
-                         "must be a non-negative integer", value)
-        _require(all(isinstance(s, str) and s for s in self.stop_strings), "stop",
-                 "must be a non-empty string or a list of non-empty strings", self.stop)
-        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                 "stop_token_ids", "must be a list of non-negative integers",
-                 self.stop_token_ids)
+                _require(
+                    isinstance(value, int) and value >= 0,
+                    name,
+                    "must be a non-negative integer",
+                    value,
+                )
+        _require(
+            all(isinstance(s, str) and s for s in self.stop_strings),
+            "stop",
+            "must be a non-empty string or a list of non-empty strings",
+            self.stop,
+        )
+        _require(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be a list of non-negative integers",
+            self.stop_token_ids,
+        )
         if self.use_beam_search:
-            _require(self.temperature == 0.0 or self.temperature == 1.0, "temperature",
-                     "must be 0 or 1 with beam search", self.temperature)
-            _require(self.beam_width >= 2 or self.n == 1, "best_of",
-                     "beam search needs a beam width (best_of or n)", self.best_of)
+            _require(
+                self.temperature == 0.0 or self.temperature == 1.0,
+                "temperature",
+                "must be 0 or 1 with beam search",
+                self.temperature,
+            )
+            _require(
+                self.beam_width >= 2 or self.n == 1,
+                "best_of",
+                "beam search needs a beam width (best_of or n)",
+                self.best_of,
+            )
 
     @property
     def num_sequences(self) -> int:
@@ -123,10 +170,18 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width",
-                 "must be an integer >= 1", self.beam_width)
-        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
-                 "must be an integer >= 1", self.max_tokens)
+        _require(
+            isinstance(self.beam_width, int) and self.beam_width >= 1,
+            "beam_width",
+            "must be an integer >= 1",
+            self.beam_width,
+        )
+        _require(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "max_tokens",
+            "must be an integer >= 1",
+            self.max_tokens,
+        )
 
     def to_sampling_params(self) -> SamplingParams:
         return SamplingParams(

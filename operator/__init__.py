@@ -19,8 +19,9 @@ def run(argv: list[str] | None = None) -> int:
     (e.g. --namespace, --liveness, --verbose). Without --namespace/-n or --all-namespaces/-A
     it serves all namespaces."""
     args = list(argv or [])
-    scoped = any(arg in ("-A", "--all-namespaces") or arg.startswith(("-n", "--namespace"))
-                 for arg in args)
+    scoped = any(
+        arg in ("-A", "--all-namespaces") or arg.startswith(("-n", "--namespace")) for arg in args
+    )
     if not scoped:
         args.append("--all-namespaces")
     try:

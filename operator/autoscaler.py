@@ -50,8 +50,15 @@ def recommend(current: int, per_pod: Sequence[float], scaling: AutoscalingSpec) 
     return min(max(wanted, scaling.min_replicas), scaling.max_replicas)
 
 
-def decide(state: AutoscalerState, *, current: int, ready: int, per_pod: Sequence[float],
-           scaling: AutoscalingSpec, now: float) -> tuple[Decision, AutoscalerState]:
+def decide(
+    state: AutoscalerState,
+    *,
+    current: int,
+    ready: int,
+    per_pod: Sequence[float],
+    scaling: AutoscalingSpec,
+    now: float,
+) -> tuple[Decision, AutoscalerState]:
     """`per_pod`: the metric of each ready pod that answered; `ready`: how many pods are
     ready (some may not have answered)."""
     bounded = min(max(current, scaling.min_replicas), scaling.max_replicas)
@@ -69,8 +76,10 @@ def decide(state: AutoscalerState, *, current: int, ready: int, per_pod: Sequenc
     history += (Recommendation(now, recommended),)
     new_state = AutoscalerState(observing_since, history)
 
-    load = (f"average {scaling.metric.value} {average:.2f} per ready pod over {len(per_pod)} "
-            f"pod(s), target {scaling.target:g}")
+    load = (
+        f"average {scaling.metric.value} {average:.2f} per ready pod over {len(per_pod)} "
+        f"pod(s), target {scaling.target:g}"
+    )
     if recommended > bounded:
         return Decision(recommended, average, f"{load}: scaling up"), new_state
     seen_full_window = now - observing_since >= window
@@ -78,8 +87,7 @@ def decide(state: AutoscalerState, *, current: int, ready: int, per_pod: Sequenc
     settled = ready >= current
     highest = max(r.replicas for r in history)
     if highest < bounded and seen_full_window and settled:
-        return Decision(highest, average,
-                        f"{load}: lower for {window}s, scaling down"), new_state
+        return Decision(highest, average, f"{load}: lower for {window}s, scaling down"), new_state
     return Decision(bounded, average, load), new_state
 
 
@@ -99,7 +107,7 @@ def parse_prometheus_value(text: str, metric_name: str) -> float | None:
             continue
         rest = line[name_end:]
         if rest.startswith("{"):
-            rest = rest[rest.rfind("}") + 1:]
+            rest = rest[rest.rfind("}") + 1 :]
         parts = rest.split()
         if not parts:
             continue

@@ -80,8 +80,11 @@ def selector_string(owner_name: str) -> str:
 
 
 def child_labels(owner_name: str) -> dict[str, str]:
-    return {**selector_labels(owner_name), LABEL_MANAGED_BY: OPERATOR_NAME,
-            LABEL_COMPONENT: "server"}
+    return {
+        **selector_labels(owner_name),
+        LABEL_MANAGED_BY: OPERATOR_NAME,
+        LABEL_COMPONENT: "server",
+    }
 
 
 def service_url(owner: Owner, spec: PagedLLMSpec) -> str:
@@ -93,14 +96,16 @@ def _metadata(owner: Owner) -> dict[str, Any]:
         "name": owner.name,
         "namespace": owner.namespace,
         "labels": child_labels(owner.name),
-        "ownerReferences": [{
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "name": owner.name,
-            "uid": owner.uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }],
+        "ownerReferences": [
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": owner.name,
+                "uid": owner.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
     }
 
 
@@ -110,18 +115,27 @@ def serve_args(spec: PagedLLMSpec, model_path: str | None) -> list[str]:
     if model_path is not None:
         args += ["--model", model_path]
     args += [
-        "--host", "0.0.0.0",
-        "--port", str(HTTP_PORT),
-        "--served-model-name", spec.model.served_name,
-        "--block-size", str(engine.block_size),
-        "--gpu-memory-utilization", str(engine.gpu_memory_utilization),
-        "--max-num-seqs", str(engine.max_num_seqs),
-        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
-        "--dtype", engine.dtype,
-        "--tensor-parallel-size", str(engine.tensor_parallel_size),
-        "--enable-prefix-caching" if engine.enable_prefix_caching
-        else "--no-enable-prefix-caching",
-        "--shutdown-timeout", str(spec.drain_timeout_seconds),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(HTTP_PORT),
+        "--served-model-name",
+        spec.model.served_name,
+        "--block-size",
+        str(engine.block_size),
+        "--gpu-memory-utilization",
+        str(engine.gpu_memory_utilization),
+        "--max-num-seqs",
+        str(engine.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(engine.max_num_batched_tokens),
+        "--dtype",
+        engine.dtype,
+        "--tensor-parallel-size",
+        str(engine.tensor_parallel_size),
+        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--shutdown-timeout",
+        str(spec.drain_timeout_seconds),
     ]
     if engine.kv_cache_memory_bytes is not None:
         args += ["--kv-cache-memory", str(engine.kv_cache_memory_bytes)]
@@ -184,33 +198,58 @@ def build_pod_template(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
     elif source.kind is ModelSourceKind.IMAGE:
         model_path = source.path
     elif source.kind is ModelSourceKind.PVC:
-        volumes.append({"name": "model", "persistentVolumeClaim": {
-            "claimName": source.claim, "readOnly": True}})
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True},
+            }
+        )
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
         model_path = f"{MODEL_DIR}/{source.path}"
     else:
         volumes.append({"name": "model", "emptyDir": {}})
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
         model_path = f"{MODEL_DIR}/{source.path}"
-        init_containers.append({
-            "name": "download",
-            "image": spec.image,
-            "imagePullPolicy": spec.image_pull_policy,
-            "command": ["pagedllm", "download"],
-            "args": [f"hf://{source.path}", model_path],
-            "env": [*_writable_dirs_env(), *[dict(e) for e in spec.env]],
-            "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, *_writable_mounts()],
-            "securityContext": _container_security_context(),
-        })
+        init_containers.append(
+            {
+                "name": "download",
+                "image": spec.image,
+                "imagePullPolicy": spec.image_pull_policy,
+                "command": ["pagedllm", "download"],
+                "args": [f"hf://{source.path}", model_path],
+                "env": [*_writable_dirs_env(), *[dict(e) for e in spec.env]],
+                "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, *_writable_mounts()],
+                "securityContext": _container_security_context(),
+            }
+        )
 
     env = _writable_dirs_env()
     # The worker's compute threads: the CPUs the pod requests (rounded up), not every core of
     # the node, which pods beside it share.
-    env.append({"name": CPUS_ENV, "valueFrom": {"resourceFieldRef": {
-        "containerName": CONTAINER_NAME, "resource": "requests.cpu", "divisor": "1"}}})
+    env.append(
+        {
+            "name": CPUS_ENV,
+            "valueFrom": {
+                "resourceFieldRef": {
+                    "containerName": CONTAINER_NAME,
+                    "resource": "requests.cpu",
+                    "divisor": "1",
+                }
+            },
+        }
+    )
     if spec.api_key_secret is not None:
-        env.append({"name": "PAGEDLLM_API_KEY", "valueFrom": {"secretKeyRef": {
-            "name": spec.api_key_secret.name, "key": spec.api_key_secret.key}}})
+        env.append(
+            {
+                "name": "PAGEDLLM_API_KEY",
+                "valueFrom": {
+                    "secretKeyRef": {
+                        "name": spec.api_key_secret.name,
+                        "key": spec.api_key_secret.key,
+                    }
+                },
+            }
+        )
     env += [dict(e) for e in spec.env]
 
     health = {"path": "/health", "port": "http"}
@@ -280,8 +319,13 @@ def build_deployment(owner: Owner, spec: PagedLLMSpec, replicas: int) -> dict[st
     if spec.rollout.strategy == "Recreate":
         strategy: dict[str, Any] = {"type": "Recreate"}
     else:
-        strategy = {"type": "RollingUpdate", "rollingUpdate": {
-            "maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable}}
+        strategy = {
+            "type": "RollingUpdate",
+            "rollingUpdate": {
+                "maxSurge": spec.rollout.max_surge,
+                "maxUnavailable": spec.rollout.max_unavailable,
+            },
+        }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -306,8 +350,9 @@ def build_service(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
         "spec": {
             "type": spec.service.type,
             "selector": selector_labels(owner.name),
-            "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http",
-                       "protocol": "TCP"}],
+            "ports": [
+                {"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}
+            ],
         },
     }
 
@@ -339,14 +384,18 @@ def build_horizontal_autoscaler(owner: Owner, spec: PagedLLMSpec) -> dict[str, A
             "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": owner.name},
             "minReplicas": scaling.min_replicas,
             "maxReplicas": scaling.max_replicas,
-            "metrics": [{
-                "type": "Pods",
-                "pods": {
-                    "metric": {"name": scaling.metric.custom_metric_name},
-                    "target": {"type": "AverageValue",
-                               "averageValue": format_quantity(scaling.target)},
-                },
-            }],
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": scaling.metric.custom_metric_name},
+                        "target": {
+                            "type": "AverageValue",
+                            "averageValue": format_quantity(scaling.target),
+                        },
+                    },
+                }
+            ],
             "behavior": {
                 "scaleDown": {"stabilizationWindowSeconds": scaling.scale_down_delay_seconds},
                 "scaleUp": {"stabilizationWindowSeconds": 0},
@@ -367,8 +416,9 @@ def build_service_monitor(owner: Owner) -> dict[str, Any]:
     }
 
 
-def build_children(owner: Owner, spec: PagedLLMSpec, replicas: int,
-                   service_monitors_available: bool) -> Children:
+def build_children(
+    owner: Owner, spec: PagedLLMSpec, replicas: int, service_monitors_available: bool
+) -> Children:
     wanted = [build_deployment(owner, spec, replicas), build_service(owner, spec)]
     unwanted = []
     pdb = ChildRef("policy/v1", "PodDisruptionBudget", owner.name)

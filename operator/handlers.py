@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 def _login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo | None:
-    return (kopf.login_with_service_account(settings=settings)
-            or kopf.login_with_kubeconfig(settings=settings))
+    return kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+        settings=settings
+    )
 
 
 @kopf.on.startup()
@@ -33,7 +34,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.finalizer = f"{DOMAIN}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=DOMAIN)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=DOMAIN, key="last-handled-configuration")
+        prefix=DOMAIN, key="last-handled-configuration"
+    )
     # kopf's per-handler messages stay in the log; the operator posts its own Events.
     settings.posting.enabled = False
     # One replica (Recreate) by design: no peering objects needed.
@@ -99,8 +101,13 @@ async def _resync_one(ctx: OperatorContext, uid: str, namespace: str, name: str)
     except InvalidSpec:
         pass  # recorded in status and an Event
     except (ApiError, httpx.HTTPError) as error:
-        logger.warning("resync of %s/%s failed, next try in %gs: %s", namespace, name,
-                       ctx.config.resync_seconds, error)
+        logger.warning(
+            "resync of %s/%s failed, next try in %gs: %s",
+            namespace,
+            name,
+            ctx.config.resync_seconds,
+            error,
+        )
     except Exception:
         # One resource's surprise must not stop the timer for all the others.
         logger.exception("resync of %s/%s failed", namespace, name)
@@ -111,8 +118,12 @@ async def _resync_forever(ctx: OperatorContext) -> None:
     level-based safety net: children deleted by hand, pods' state, the load)."""
     while True:
         await asyncio.sleep(ctx.config.resync_seconds)
-        await asyncio.gather(*(_resync_one(ctx, uid, namespace, name)
-                               for uid, (namespace, name) in list(ctx.tracked.items())))
+        await asyncio.gather(
+            *(
+                _resync_one(ctx, uid, namespace, name)
+                for uid, (namespace, name) in list(ctx.tracked.items())
+            )
+        )
 
 
 def _owner_name(meta: kopf.Meta) -> str | None:
@@ -122,8 +133,9 @@ def _owner_name(meta: kopf.Meta) -> str | None:
     return None
 
 
-async def _reconcile_owner(event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo,
-                           logger: logging.Logger) -> None:
+async def _reconcile_owner(
+    event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo, logger: logging.Logger
+) -> None:
     """A child changed or vanished: reconcile its PagedLLM now instead of at the next resync."""
     ctx: OperatorContext = memo.ctx
     owner_name = _owner_name(meta)
@@ -138,20 +150,23 @@ async def _reconcile_owner(event: dict[str, Any], meta: kopf.Meta, memo: kopf.Me
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-async def deployment_changed(event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo,
-                             logger: logging.Logger, **_: Any) -> None:
+async def deployment_changed(
+    event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
     await _reconcile_owner(event, meta, memo, logger)
 
 
 @kopf.on.event("v1", "services", labels=MANAGED)
-async def service_changed(event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo,
-                          logger: logging.Logger, **_: Any) -> None:
+async def service_changed(
+    event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
     if event.get("type") == "DELETED":
         await _reconcile_owner(event, meta, memo, logger)
 
 
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
-async def disruption_budget_changed(event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo,
-                                    logger: logging.Logger, **_: Any) -> None:
+async def disruption_budget_changed(
+    event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
     if event.get("type") == "DELETED":
         await _reconcile_owner(event, meta, memo, logger)

@@ -41,8 +41,13 @@ class ApiError(Exception):
         self.message = message
 
 
-def resource_path(api_version: str, kind: str, namespace: str | None = None,
-                  name: str | None = None, subresource: str | None = None) -> str:
+def resource_path(
+    api_version: str,
+    kind: str,
+    namespace: str | None = None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> str:
     base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
     path = base + (f"/namespaces/{namespace}" if namespace else "") + "/" + PLURALS[kind]
     if name:
@@ -67,9 +72,11 @@ def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
         cadata=base64.b64decode(info.ca_data).decode() if info.ca_data else None,
     )
     certificate = info.certificate_path or (
-        _pem_file(info.certificate_data) if info.certificate_data else None)
+        _pem_file(info.certificate_data) if info.certificate_data else None
+    )
     key = info.private_key_path or (
-        _pem_file(info.private_key_data) if info.private_key_data else None)
+        _pem_file(info.private_key_data) if info.private_key_data else None
+    )
     if certificate:
         context.load_cert_chain(certificate, key)
     return context
@@ -84,25 +91,33 @@ class KubeClient:
     def _connect(self) -> httpx.AsyncClient:
         info = self._login()
         if info is None:
-            raise kopf.PermanentError("no Kubernetes credentials: neither in-cluster nor "
-                                      "a kubeconfig")
+            raise kopf.PermanentError(
+                "no Kubernetes credentials: neither in-cluster nor a kubeconfig"
+            )
         headers = {"Accept": "application/json", "User-Agent": FIELD_MANAGER}
         if info.token:
             headers["Authorization"] = f"Bearer {info.token}"
         auth = httpx.BasicAuth(info.username, info.password or "") if info.username else None
         server = info.server or "https://kubernetes.default.svc"
         verify = _ssl_context(info) if server.startswith("https") else True
-        return httpx.AsyncClient(base_url=server, headers=headers, auth=auth, verify=verify,
-                                 timeout=30, trust_env=False)
+        return httpx.AsyncClient(
+            base_url=server, headers=headers, auth=auth, verify=verify, timeout=30, trust_env=False
+        )
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
 
-    async def request(self, method: str, path: str, *, body: Any = None,
-                      content_type: str = "application/json",
-                      params: Mapping[str, str] | None = None) -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: str = "application/json",
+        params: Mapping[str, str] | None = None,
+    ) -> Any:
         content = json.dumps(body) if body is not None else None
         headers = {"Content-Type": content_type} if content is not None else {}
         response = await self._send(method, path, content, headers, params)
@@ -117,13 +132,19 @@ class KubeClient:
             raise ApiError(response.status_code, payload)
         return payload
 
-    async def _send(self, method: str, path: str, content: str | None,
-                    headers: Mapping[str, str],
-                    params: Mapping[str, str] | None) -> httpx.Response:
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        content: str | None,
+        headers: Mapping[str, str],
+        params: Mapping[str, str] | None,
+    ) -> httpx.Response:
         if self._client is None:
             self._client = self._connect()
-        return await self._client.request(method, path, content=content, headers=headers,
-                                          params=params)
+        return await self._client.request(
+            method, path, content=content, headers=headers, params=params
+        )
 
     async def get(self, path: str) -> dict[str, Any] | None:
         try:
@@ -140,28 +161,41 @@ class KubeClient:
     async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply: we own exactly the fields we set, and fields we stop setting go."""
         metadata = manifest["metadata"]
-        path = resource_path(manifest["apiVersion"], manifest["kind"], metadata.get("namespace"),
-                             metadata["name"])
-        return await self.request("PATCH", path, body=manifest,
-                                  content_type="application/apply-patch+yaml",
-                                  params={"fieldManager": FIELD_MANAGER, "force": "true"})
+        path = resource_path(
+            manifest["apiVersion"], manifest["kind"], metadata.get("namespace"), metadata["name"]
+        )
+        return await self.request(
+            "PATCH",
+            path,
+            body=manifest,
+            content_type="application/apply-patch+yaml",
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+        )
 
     async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
-        return await self.request("PATCH", path, body=patch,
-                                  content_type="application/merge-patch+json")
+        return await self.request(
+            "PATCH", path, body=patch, content_type="application/merge-patch+json"
+        )
 
-    async def post_event(self, involved: Mapping[str, Any], *, type: str, reason: str,
-                         message: str, now: str) -> None:
+    async def post_event(
+        self, involved: Mapping[str, Any], *, type: str, reason: str, message: str, now: str
+    ) -> None:
         """A core/v1 Event about `involved` (shown by `kubectl describe` and `get events`)."""
         metadata = involved["metadata"]
         event = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"generateName": f"{metadata['name']}.",
-                         "namespace": metadata["namespace"]},
-            "involvedObject": {"apiVersion": involved["apiVersion"], "kind": involved["kind"],
-                               "name": metadata["name"], "namespace": metadata["namespace"],
-                               "uid": metadata["uid"]},
+            "metadata": {
+                "generateName": f"{metadata['name']}.",
+                "namespace": metadata["namespace"],
+            },
+            "involvedObject": {
+                "apiVersion": involved["apiVersion"],
+                "kind": involved["kind"],
+                "name": metadata["name"],
+                "namespace": metadata["namespace"],
+                "uid": metadata["uid"],
+            },
             "type": type,
             "reason": reason,
             "message": message[:1024],
@@ -172,8 +206,7 @@ class KubeClient:
             "lastTimestamp": now,
             "count": 1,
         }
-        await self.request("POST", f"/api/v1/namespaces/{metadata['namespace']}/events",
-                           body=event)
+        await self.request("POST", f"/api/v1/namespaces/{metadata['namespace']}/events", body=event)
 
     async def delete(self, path: str) -> None:
         try:

@@ -54,8 +54,9 @@ async def _read_one(client: httpx.AsyncClient, url: str, metric_name: str) -> fl
     return value
 
 
-async def read_ready_pods(pods: Sequence[Mapping[str, Any]], metric_name: str,
-                          timeout: float) -> list[float]:
+async def read_ready_pods(
+    pods: Sequence[Mapping[str, Any]], metric_name: str, timeout: float
+) -> list[float]:
     """The metric of every ready pod that answered in time."""
     urls = [url for pod in pods if is_ready(pod) and (url := metrics_url(pod)) is not None]
     if not urls:

@@ -70,10 +70,15 @@ class OperatorContext:
 
     async def service_monitors_available(self) -> bool:
         now = time.monotonic()
-        if self._service_monitors is None or \
-                now - self._service_monitors[0] > self.config.discovery_cache_seconds:
-            crd = await self.kube.get(resource_path(
-                "apiextensions.k8s.io/v1", "CustomResourceDefinition", name=SERVICE_MONITOR_CRD))
+        if (
+            self._service_monitors is None
+            or now - self._service_monitors[0] > self.config.discovery_cache_seconds
+        ):
+            crd = await self.kube.get(
+                resource_path(
+                    "apiextensions.k8s.io/v1", "CustomResourceDefinition", name=SERVICE_MONITOR_CRD
+                )
+            )
             self._service_monitors = (now, crd is not None)
         return self._service_monitors[1]
 
@@ -86,29 +91,36 @@ async def _check_references(kube: KubeClient, owner: Owner, spec: PagedLLMSpec) 
     """What the schema cannot know: the model's claim must exist."""
     if spec.model.source.kind is ModelSourceKind.PVC:
         claim = spec.model.source.claim
-        if await kube.get(resource_path("v1", "PersistentVolumeClaim", owner.namespace,
-                                        claim)) is None:
-            raise InvalidSpec(f'PersistentVolumeClaim "{claim}" (from spec.model.uri) does not '
-                              f'exist in namespace "{owner.namespace}"')
+        if (
+            await kube.get(resource_path("v1", "PersistentVolumeClaim", owner.namespace, claim))
+            is None
+        ):
+            raise InvalidSpec(
+                f'PersistentVolumeClaim "{claim}" (from spec.model.uri) does not '
+                f'exist in namespace "{owner.namespace}"'
+            )
     # A missing API-key Secret is not looked up here (that would need read access to every
     # Secret); the pod reports it as CreateContainerConfigError, which shows as Degraded.
 
 
 def _owned_by(obj: Mapping[str, Any], owner: Owner) -> bool:
-    return any(ref.get("uid") == owner.uid
-               for ref in obj.get("metadata", {}).get("ownerReferences") or [])
+    return any(
+        ref.get("uid") == owner.uid for ref in obj.get("metadata", {}).get("ownerReferences") or []
+    )
 
 
-async def _apply_children(ctx: OperatorContext, owner: Owner, spec: PagedLLMSpec,
-                          replicas: int) -> None:
+async def _apply_children(
+    ctx: OperatorContext, owner: Owner, spec: PagedLLMSpec, replicas: int
+) -> None:
     children = build_children(owner, spec, replicas, await ctx.service_monitors_available())
     for manifest in children.wanted:
-        path = resource_path(manifest["apiVersion"], manifest["kind"], owner.namespace,
-                             owner.name)
+        path = resource_path(manifest["apiVersion"], manifest["kind"], owner.namespace, owner.name)
         existing = await ctx.kube.get(path)
         if existing is not None and not _owned_by(existing, owner):
-            raise InvalidSpec(f'{manifest["kind"]} "{owner.name}" already exists and belongs '
-                              "to something else; rename the PagedLLM or remove it")
+            raise InvalidSpec(
+                f'{manifest["kind"]} "{owner.name}" already exists and belongs '
+                "to something else; rename the PagedLLM or remove it"
+            )
         await ctx.kube.apply(manifest)
     for ref in children.unwanted:
         path = resource_path(ref.api_version, ref.kind, owner.namespace, ref.name)
@@ -118,32 +130,42 @@ async def _apply_children(ctx: OperatorContext, owner: Owner, spec: PagedLLMSpec
 
 
 async def _pods(ctx: OperatorContext, owner: Owner) -> list[dict[str, Any]]:
-    return await ctx.kube.list(resource_path("v1", "Pod", owner.namespace),
-                               selector_string(owner.name))
+    return await ctx.kube.list(
+        resource_path("v1", "Pod", owner.namespace), selector_string(owner.name)
+    )
 
 
 async def _observe(ctx: OperatorContext, owner: Owner) -> Observed:
-    deployment = await ctx.kube.get(resource_path("apps/v1", "Deployment", owner.namespace,
-                                                  owner.name))
+    deployment = await ctx.kube.get(
+        resource_path("apps/v1", "Deployment", owner.namespace, owner.name)
+    )
     return Observed(deployment=deployment, pods=await _pods(ctx, owner))
 
 
-async def _write_status(ctx: OperatorContext, body: Mapping[str, Any],
-                        status: dict[str, Any]) -> None:
+async def _write_status(
+    ctx: OperatorContext, body: Mapping[str, Any], status: dict[str, Any]
+) -> None:
     previous = body.get("status") or {}
     if all(previous.get(key) == value for key, value in status.items()):
         return
     metadata = body["metadata"]
-    await ctx.kube.merge_patch(pagedllm_path(metadata["namespace"], metadata["name"], "status"),
-                               {"status": status})
+    await ctx.kube.merge_patch(
+        pagedllm_path(metadata["namespace"], metadata["name"], "status"), {"status": status}
+    )
     became_degraded = newly_true(previous.get("conditions") or [], status["conditions"], DEGRADED)
     if became_degraded is not None:
-        await ctx.kube.post_event(body, type="Warning", reason=became_degraded["reason"],
-                                  message=became_degraded["message"], now=now_rfc3339())
+        await ctx.kube.post_event(
+            body,
+            type="Warning",
+            reason=became_degraded["reason"],
+            message=became_degraded["message"],
+            now=now_rfc3339(),
+        )
 
 
-async def reconcile(ctx: OperatorContext, namespace: str, name: str, *,
-                    autoscaling: bool = False) -> None:
+async def reconcile(
+    ctx: OperatorContext, namespace: str, name: str, *, autoscaling: bool = False
+) -> None:
     """Make the children match the spec and the status match the children; with
     `autoscaling`, then take one autoscaler step.
 
@@ -169,16 +191,27 @@ async def _reconcile(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
         await _apply_children(ctx, owner, spec, replicas)
     except InvalidSpec as error:
         status = compute_status(
-            generation=generation, desired=0, url="", selector=selector_string(owner.name),
-            observed=Observed(None, []), previous=body.get("status") or {},
-            now=now_rfc3339(), spec_error=str(error))
+            generation=generation,
+            desired=0,
+            url="",
+            selector=selector_string(owner.name),
+            observed=Observed(None, []),
+            previous=body.get("status") or {},
+            now=now_rfc3339(),
+            spec_error=str(error),
+        )
         await _write_status(ctx, body, status)
         raise
     observed = await _observe(ctx, owner)
     status = compute_status(
-        generation=generation, desired=replicas, url=service_url(owner, spec),
-        selector=selector_string(owner.name), observed=observed,
-        previous=body.get("status") or {}, now=now_rfc3339())
+        generation=generation,
+        desired=replicas,
+        url=service_url(owner, spec),
+        selector=selector_string(owner.name),
+        observed=observed,
+        previous=body.get("status") or {},
+        now=now_rfc3339(),
+    )
     await _write_status(ctx, body, status)
 
 
@@ -192,25 +225,35 @@ async def _autoscale(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
         return
     current = effective_replicas(spec)
     pods = await _pods(ctx, owner)
-    per_pod = await read_ready_pods(pods, scaling.metric.prometheus_name,
-                                    ctx.config.metrics_timeout_seconds)
+    per_pod = await read_ready_pods(
+        pods, scaling.metric.prometheus_name, ctx.config.metrics_timeout_seconds
+    )
     ready = sum(1 for pod in pods if is_ready(pod))
-    decision, state = decide(ctx.autoscalers.get(owner.uid, AutoscalerState()),
-                             current=current, ready=ready, per_pod=per_pod, scaling=scaling,
-                             now=time.monotonic())
+    decision, state = decide(
+        ctx.autoscalers.get(owner.uid, AutoscalerState()),
+        current=current,
+        ready=ready,
+        per_pod=per_pod,
+        scaling=scaling,
+        now=time.monotonic(),
+    )
     ctx.autoscalers[owner.uid] = state
     if decision.replicas == spec.replicas:
         return
     # Everyone scales through /scale: the Deployment follows spec.replicas on the next reconcile.
-    await ctx.kube.merge_patch(pagedllm_path(owner.namespace, owner.name, "scale"),
-                               {"spec": {"replicas": decision.replicas}})
+    await ctx.kube.merge_patch(
+        pagedllm_path(owner.namespace, owner.name, "scale"),
+        {"spec": {"replicas": decision.replicas}},
+    )
     if not decision.changes(current):
         return  # spec.replicas was only unset or out of bounds; the replicas do not move
-    await ctx.kube.merge_patch(pagedllm_path(owner.namespace, owner.name, "status"),
-                               {"status": {"desiredReplicas": decision.replicas,
-                                           "lastScaleTime": now_rfc3339()}})
+    await ctx.kube.merge_patch(
+        pagedllm_path(owner.namespace, owner.name, "status"),
+        {"status": {"desiredReplicas": decision.replicas, "lastScaleTime": now_rfc3339()}},
+    )
     direction = "ScaledUp" if decision.replicas > current else "ScaledDown"
     message = f"{current} -> {decision.replicas} replicas: {decision.explanation}"
     logger.info("%s/%s %s", owner.namespace, owner.name, message)
-    await ctx.kube.post_event(body, type="Normal", reason=direction, message=message,
-                              now=now_rfc3339())
+    await ctx.kube.post_event(
+        body, type="Normal", reason=direction, message=message, now=now_rfc3339()
+    )

@@ -48,12 +48,12 @@ def parse_model_uri(uri: str | None) -> ModelSource:
     if not uri:
         return ModelSource(ModelSourceKind.DEMO)
     if uri.startswith("pvc://"):
-        claim, _, path = uri[len("pvc://"):].partition("/")
+        claim, _, path = uri[len("pvc://") :].partition("/")
         if not re.fullmatch(_CLAIM, claim) or not path.strip("/"):
             raise InvalidSpec(f"model uri {uri!r}: expected pvc://CLAIM/PATH")
         return ModelSource(ModelSourceKind.PVC, path=path.strip("/"), claim=claim)
     if uri.startswith("hf://"):
-        repository = uri[len("hf://"):]
+        repository = uri[len("hf://") :]
         if not re.fullmatch(rf"{_HUB_PART}/[-A-Za-z0-9_.]+", repository):
             raise InvalidSpec(f"model uri {uri!r}: expected hf://ORG/NAME")
         return ModelSource(ModelSourceKind.HUGGING_FACE, path=repository)
@@ -67,8 +67,18 @@ def parse_model_uri(uri: str | None) -> ModelSource:
 
 _QUANTITY = re.compile(r"^([+-]?(?:\d+(?:\.\d*)?|\.\d+))([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?$")
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-            "P": 1e15, "E": 1e18}
+_DECIMAL = {
+    "n": 1e-9,
+    "u": 1e-6,
+    "m": 1e-3,
+    "": 1,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+}
 
 
 def parse_quantity(value: int | float | str) -> float:
@@ -197,8 +207,9 @@ class PagedLLMSpec:
         return any(key.endswith("/gpu") for key in wanted)
 
 
-def _pick(raw: Mapping[str, Any], key: str, default: Any, kind: type | tuple[type, ...],
-          where: str) -> Any:
+def _pick(
+    raw: Mapping[str, Any], key: str, default: Any, kind: type | tuple[type, ...], where: str
+) -> Any:
     value = raw.get(key)
     if value is None:
         return default
@@ -229,18 +240,22 @@ def parse_spec(raw: Mapping[str, Any]) -> PagedLLMSpec:
     kv_cache = engine_raw.get("kvCacheMemory")
     engine = EngineSpec(
         block_size=_pick(engine_raw, "blockSize", defaults.block_size, int, "engine."),
-        gpu_memory_utilization=_pick(engine_raw, "gpuMemoryUtilization",
-                                     defaults.gpu_memory_utilization, float, "engine."),
+        gpu_memory_utilization=_pick(
+            engine_raw, "gpuMemoryUtilization", defaults.gpu_memory_utilization, float, "engine."
+        ),
         kv_cache_memory_bytes=int(parse_quantity(kv_cache)) if kv_cache is not None else None,
         max_num_seqs=_pick(engine_raw, "maxNumSeqs", defaults.max_num_seqs, int, "engine."),
-        max_num_batched_tokens=_pick(engine_raw, "maxNumBatchedTokens",
-                                     defaults.max_num_batched_tokens, int, "engine."),
+        max_num_batched_tokens=_pick(
+            engine_raw, "maxNumBatchedTokens", defaults.max_num_batched_tokens, int, "engine."
+        ),
         max_model_len=_pick(engine_raw, "maxModelLen", None, int, "engine."),
         dtype=_pick(engine_raw, "dtype", defaults.dtype, str, "engine."),
-        tensor_parallel_size=_pick(engine_raw, "tensorParallelSize",
-                                   defaults.tensor_parallel_size, int, "engine."),
-        enable_prefix_caching=_pick(engine_raw, "enablePrefixCaching",
-                                    defaults.enable_prefix_caching, bool, "engine."),
+        tensor_parallel_size=_pick(
+            engine_raw, "tensorParallelSize", defaults.tensor_parallel_size, int, "engine."
+        ),
+        enable_prefix_caching=_pick(
+            engine_raw, "enablePrefixCaching", defaults.enable_prefix_caching, bool, "engine."
+        ),
         extra_args=tuple(str(arg) for arg in engine_raw.get("extraArgs") or ()),
     )
 
@@ -259,8 +274,9 @@ def parse_spec(raw: Mapping[str, Any]) -> PagedLLMSpec:
             max_replicas=_pick(scaling_raw, "maxReplicas", None, int, "autoscaling."),
             metric=metric,
             target=_pick(scaling_raw, "target", None, float, "autoscaling."),
-            scale_down_delay_seconds=_pick(scaling_raw, "scaleDownDelaySeconds", 300, int,
-                                           "autoscaling."),
+            scale_down_delay_seconds=_pick(
+                scaling_raw, "scaleDownDelaySeconds", 300, int, "autoscaling."
+            ),
             mode=mode,
         )
         if autoscaling.min_replicas > autoscaling.max_replicas:
@@ -300,9 +316,9 @@ def parse_spec(raw: Mapping[str, Any]) -> PagedLLMSpec:
             affinity=scheduling_raw.get("affinity"),
             priority_class_name=scheduling_raw.get("priorityClassName"),
         ),
-        api_key_secret=SecretKeyRef(
-            name=secret_raw["name"], key=secret_raw.get("key", "api-key")
-        ) if isinstance(secret_raw, Mapping) and secret_raw.get("name") else None,
+        api_key_secret=SecretKeyRef(name=secret_raw["name"], key=secret_raw.get("key", "api-key"))
+        if isinstance(secret_raw, Mapping) and secret_raw.get("name")
+        else None,
         env=tuple(raw.get("env") or ()),
         drain_timeout_seconds=_pick(raw, "drainTimeoutSeconds", 60, int, ""),
     )

@@ -47,20 +47,30 @@ def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[PodProblem]:
         name = pod["metadata"]["name"]
         status = pod.get("status") or {}
         for condition in status.get("conditions") or []:
-            if (condition.get("type") == "PodScheduled" and condition.get("status") == "False"
-                    and condition.get("reason") == UNSCHEDULABLE):
+            if (
+                condition.get("type") == "PodScheduled"
+                and condition.get("status") == "False"
+                and condition.get("reason") == UNSCHEDULABLE
+            ):
                 problems.append(PodProblem(name, UNSCHEDULABLE, condition.get("message", "")))
-        for container in [*(status.get("initContainerStatuses") or []),
-                          *(status.get("containerStatuses") or [])]:
+        for container in [
+            *(status.get("initContainerStatuses") or []),
+            *(status.get("containerStatuses") or []),
+        ]:
             waiting = (container.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in FAILING_WAIT_REASONS:
                 message = waiting.get("message") or ""
                 terminated = (container.get("lastState") or {}).get("terminated") or {}
                 if terminated:
-                    message = (f"{message}; last exit code {terminated.get('exitCode')}"
-                               f" ({terminated.get('reason', 'Error')})").lstrip("; ")
-                problems.append(PodProblem(
-                    name, waiting["reason"], f"container {container.get('name')}: {message}"))
+                    message = (
+                        f"{message}; last exit code {terminated.get('exitCode')}"
+                        f" ({terminated.get('reason', 'Error')})"
+                    ).lstrip("; ")
+                problems.append(
+                    PodProblem(
+                        name, waiting["reason"], f"container {container.get('name')}: {message}"
+                    )
+                )
     return problems
 
 
@@ -87,32 +97,49 @@ def conditions_for(desired: int, observed: Observed, spec_error: str | None) -> 
     problems = pod_problems(observed.pods)
     unschedulable = [p for p in problems if p.reason == UNSCHEDULABLE]
     failing = [p for p in problems if p.reason != UNSCHEDULABLE]
-    stuck = next((c for c in counts.get("conditions") or []
-                  if c.get("type") == "Progressing" and c.get("status") == "False"
-                  and c.get("reason") == "ProgressDeadlineExceeded"), None)
+    stuck = next(
+        (
+            c
+            for c in counts.get("conditions") or []
+            if c.get("type") == "Progressing"
+            and c.get("status") == "False"
+            and c.get("reason") == "ProgressDeadlineExceeded"
+        ),
+        None,
+    )
 
     if failing:
-        degraded = Condition(DEGRADED, True, failing[0].reason,
-                             f"pod {failing[0].pod}: {failing[0].message}")
+        degraded = Condition(
+            DEGRADED, True, failing[0].reason, f"pod {failing[0].pod}: {failing[0].message}"
+        )
     elif stuck is not None:
-        degraded = Condition(DEGRADED, True, "ProgressDeadlineExceeded",
-                             stuck.get("message", "the rollout made no progress"))
+        degraded = Condition(
+            DEGRADED,
+            True,
+            "ProgressDeadlineExceeded",
+            stuck.get("message", "the rollout made no progress"),
+        )
     else:
         degraded = Condition(DEGRADED, False, "AsExpected", "no failing pods")
 
     if desired == 0:
-        ready_condition = Condition(READY, False, "ScaledToZero",
-                                    "no replicas; scale up through /scale to serve")
+        ready_condition = Condition(
+            READY, False, "ScaledToZero", "no replicas; scale up through /scale to serve"
+        )
     elif ready >= desired:
-        ready_condition = Condition(READY, True, "AllReplicasReady",
-                                    f"{ready}/{desired} replicas ready")
+        ready_condition = Condition(
+            READY, True, "AllReplicasReady", f"{ready}/{desired} replicas ready"
+        )
     else:
-        ready_condition = Condition(READY, False, "ReplicasNotReady",
-                                    f"{ready}/{desired} replicas ready")
+        ready_condition = Condition(
+            READY, False, "ReplicasNotReady", f"{ready}/{desired} replicas ready"
+        )
 
     if unschedulable:
         progressing = Condition(
-            PROGRESSING, True, "WaitingForCapacity",
+            PROGRESSING,
+            True,
+            "WaitingForCapacity",
             f"pod {unschedulable[0].pod} cannot be scheduled yet ({unschedulable[0].message}); "
             "waiting for the cluster to add capacity",
         )
@@ -120,48 +147,69 @@ def conditions_for(desired: int, observed: Observed, spec_error: str | None) -> 
         "generation", 0
     ):
         # Until the Deployment controller has seen the latest template its counts are stale.
-        progressing = Condition(PROGRESSING, True, "RollingUpdate",
-                                "the Deployment controller has not yet seen the latest template")
+        progressing = Condition(
+            PROGRESSING,
+            True,
+            "RollingUpdate",
+            "the Deployment controller has not yet seen the latest template",
+        )
     elif replicas > updated:
-        progressing = Condition(PROGRESSING, True, "RollingUpdate",
-                                f"{updated}/{desired} replicas run the current template")
+        progressing = Condition(
+            PROGRESSING,
+            True,
+            "RollingUpdate",
+            f"{updated}/{desired} replicas run the current template",
+        )
     elif ready < desired:
-        progressing = Condition(PROGRESSING, True, "ScalingUp",
-                                f"{ready}/{desired} replicas ready")
+        progressing = Condition(PROGRESSING, True, "ScalingUp", f"{ready}/{desired} replicas ready")
     elif replicas > desired:
-        progressing = Condition(PROGRESSING, True, "ScalingDown",
-                                f"{replicas} replicas, {desired} wanted")
+        progressing = Condition(
+            PROGRESSING, True, "ScalingDown", f"{replicas} replicas, {desired} wanted"
+        )
     elif desired == 0:
         progressing = Condition(PROGRESSING, False, "ScaledToZero", "no replicas wanted")
     else:
-        progressing = Condition(PROGRESSING, False, "Complete",
-                                "all replicas run the current template and are ready")
+        progressing = Condition(
+            PROGRESSING, False, "Complete", "all replicas run the current template and are ready"
+        )
     return [ready_condition, progressing, degraded]
 
 
-def render_conditions(conditions: Sequence[Condition],
-                      previous: Sequence[Mapping[str, Any]], now: str) -> list[dict[str, Any]]:
+def render_conditions(
+    conditions: Sequence[Condition], previous: Sequence[Mapping[str, Any]], now: str
+) -> list[dict[str, Any]]:
     """Conditions as the API stores them; lastTransitionTime moves only when status does."""
     earlier = {c.get("type"): c for c in previous}
     rendered = []
     for condition in conditions:
         status = "True" if condition.status else "False"
         before = earlier.get(condition.type)
-        since = before.get("lastTransitionTime") if before and before.get("status") == status \
-            else None
-        rendered.append({
-            "type": condition.type,
-            "status": status,
-            "reason": condition.reason,
-            "message": condition.message,
-            "lastTransitionTime": since or now,
-        })
+        since = (
+            before.get("lastTransitionTime") if before and before.get("status") == status else None
+        )
+        rendered.append(
+            {
+                "type": condition.type,
+                "status": status,
+                "reason": condition.reason,
+                "message": condition.message,
+                "lastTransitionTime": since or now,
+            }
+        )
     return rendered
 
 
-def compute_status(*, generation: int, desired: int, url: str, selector: str,
-                   observed: Observed, previous: Mapping[str, Any], now: str,
-                   spec_error: str | None = None) -> dict[str, Any]:
+def compute_status(
+    *,
+    generation: int,
+    desired: int,
+    url: str,
+    selector: str,
+    observed: Observed,
+    previous: Mapping[str, Any],
+    now: str,
+    spec_error: str | None = None,
+) -> dict[str, Any]:
     counts = (observed.deployment or {}).get("status") or {}
     conditions = conditions_for(desired, observed, spec_error)
     return {
@@ -176,8 +224,9 @@ def compute_status(*, generation: int, desired: int, url: str, selector: str,
     }
 
 
-def newly_true(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]],
-               condition_type: str) -> Mapping[str, Any] | None:
+def newly_true(
+    before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]], condition_type: str
+) -> Mapping[str, Any] | None:
     """The condition if it just became True (or changed reason while True), for an Event."""
     old = next((c for c in before if c.get("type") == condition_type), None)
     new = next((c for c in after if c.get("type") == condition_type), None)

@@ -41,6 +41,7 @@ def kv_bytes_per_token(arch: str = "llama") -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // 4
     return 2 * 2 * 2 * head_dim * 4
 
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -101,8 +102,13 @@ def test_chunked_prefill_preemption_and_prefix_hits_keep_greedy_exact(checkpoint
     assert generate_ids(chunked, batch) == expected
 
     # 14 blocks of 8 tokens cannot hold the whole batch at once: requests get preempted.
-    tight = make_llm(directory, block_size=8, kv_cache_memory=14 * 8 * kv_bytes_per_token(arch),
-                     max_model_len=100, enable_prefix_caching=False)
+    tight = make_llm(
+        directory,
+        block_size=8,
+        kv_cache_memory=14 * 8 * kv_bytes_per_token(arch),
+        max_model_len=100,
+        enable_prefix_caching=False,
+    )
     assert generate_ids(tight, batch) == expected
     assert tight.engine.stats().num_preemptions > 0
 
@@ -139,8 +145,11 @@ def test_prompt_logprobs_equal_transformers_log_softmax(checkpoints, arch):
     directory, model = checkpoints[arch]
     prompt = prompts([19], seed=5)[0]
     llm = make_llm(directory, block_size=8, max_num_batched_tokens=8)
-    out = llm.generate({"prompt_token_ids": prompt},
-                       SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(max_tokens=1, prompt_logprobs=2),
+        use_tqdm=False,
+    )[0]
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
     assert out.prompt_logprobs[0] is None
@@ -212,8 +221,10 @@ def test_beam_search_equals_a_reference_beam_search(checkpoints):
     directory, model = checkpoints["llama"]
     batch = prompts((6, 13), seed=21)
     llm = make_llm(directory, block_size=8)
-    beams = llm.beam_search([{"prompt_token_ids": p} for p in batch],
-                            BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True))
+    beams = llm.beam_search(
+        [{"prompt_token_ids": p} for p in batch],
+        BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True),
+    )
     for prompt, result in zip(batch, beams, strict=True):
         expected = reference_beam_search(model, prompt, width=4, steps=6)
         assert [s.tokens for s in result.sequences] == [tokens for tokens, _ in expected]
@@ -226,8 +237,16 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batches(checkpoints):
     directory, _ = checkpoints["qwen2"]
     target = prompts([12], seed=1)[0]
     others = prompts((4, 30, 17), seed=2)
-    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=1234, max_tokens=12,
-                            ignore_eos=True, presence_penalty=0.5, repetition_penalty=1.2)
+    params = SamplingParams(
+        temperature=0.9,
+        top_p=0.9,
+        top_k=40,
+        seed=1234,
+        max_tokens=12,
+        ignore_eos=True,
+        presence_penalty=0.5,
+        repetition_penalty=1.2,
+    )
     alone = generate_ids(make_llm(directory), [target], params)[0]
     again = generate_ids(make_llm(directory), [target], params)[0]
     llm = make_llm(directory, max_num_batched_tokens=16)
@@ -240,15 +259,17 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batches(checkpoints):
     assert alone == again == mixed[1].outputs[0].token_ids
     other_seed = generate_ids(llm, [target], SamplingParams(**{**_fields(params), "seed": 99}))
     assert other_seed[0] != alone
-    fanned = llm.generate({"prompt_token_ids": target},
-                          SamplingParams(**{**_fields(params), "n": 3}), use_tqdm=False)[0]
+    fanned = llm.generate(
+        {"prompt_token_ids": target}, SamplingParams(**{**_fields(params), "n": 3}), use_tqdm=False
+    )[0]
     assert fanned.outputs[0].token_ids == alone
     assert len({tuple(o.token_ids) for o in fanned.outputs}) == 3
 
 
 def _fields(params: SamplingParams) -> dict:
-    return {k: getattr(params, k) for k in SamplingParams.__dataclass_fields__
-            if k != "stop_strings"}
+    return {
+        k: getattr(params, k) for k in SamplingParams.__dataclass_fields__ if k != "stop_strings"
+    }
 
 
 def test_stop_tokens_and_stop_strings_end_output_exactly():
@@ -267,16 +288,20 @@ def test_stop_tokens_and_stop_strings_end_output_exactly():
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), "the random model must produce some text to cut"
     cut = text.index(stop)
-    by_string = llm.generate(prompt, SamplingParams(**{**_fields(long), "stop": [stop]}),
-                             use_tqdm=False)[0].outputs[0]
+    by_string = llm.generate(
+        prompt, SamplingParams(**{**_fields(long), "stop": [stop]}), use_tqdm=False
+    )[0].outputs[0]
     assert by_string.text == text[:cut]
     assert (by_string.finish_reason, by_string.stop_reason) == ("stop", stop)
-    kept = llm.generate(prompt, SamplingParams(**{**_fields(long), "stop": stop,
-                                                   "include_stop_str_in_output": True}),
-                        use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        prompt,
+        SamplingParams(**{**_fields(long), "stop": stop, "include_stop_str_in_output": True}),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text == text[: cut + len(stop)]
-    capped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0]
+    capped = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert capped.token_ids == full.token_ids[:4] and capped.finish_reason == "length"
     assert llm.engine.stats().kv_usage == 0.0
 
@@ -285,25 +310,41 @@ def test_eos_and_min_tokens(checkpoints, tmp_path):
     directory, _ = checkpoints["llama"]
     llm = make_llm(directory)
     prompt = {"prompt_token_ids": prompts([10], seed=3)[0]}
-    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    full = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     eos = full.token_ids[2]
     llm.engine.eos_token_ids = (eos,)
-    ended = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24),
-                         use_tqdm=False)[0].outputs[0]
+    ended = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert ended.token_ids == full.token_ids[: full.token_ids.index(eos) + 1]
     assert ended.finish_reason == "stop" and ended.stop_reason is None
-    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, min_tokens=10),
-                        use_tqdm=False)[0].outputs[0]
+    held = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=24, min_tokens=10), use_tqdm=False
+    )[0].outputs[0]
     assert len(held.token_ids) >= 10
     assert eos not in held.token_ids[:10]
 
 
 INVALID = [
-    ("n", 0), ("best_of", 0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
-    ("repetition_penalty", 0.0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5),
-    ("top_k", -5), ("min_p", 1.5), ("seed", "x"), ("max_tokens", 0), ("min_tokens", -1),
-    ("logprobs", -1), ("prompt_logprobs", -2), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("n", 0),
+    ("best_of", 0),
+    ("presence_penalty", 3.0),
+    ("frequency_penalty", -2.5),
+    ("repetition_penalty", 0.0),
+    ("temperature", -0.1),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_k", -5),
+    ("min_p", 1.5),
+    ("seed", "x"),
+    ("max_tokens", 0),
+    ("min_tokens", -1),
+    ("logprobs", -1),
+    ("prompt_logprobs", -2),
+    ("stop", [""]),
+    ("stop_token_ids", [-1]),
 ]
 
 
@@ -322,8 +363,9 @@ def test_requests_that_cannot_fit_end_with_an_error_and_others_go_on(checkpoints
     directory, model = checkpoints["llama"]
     llm = make_llm(directory, max_model_len=40)
     ok, too_long = prompts((5, 45), seed=8)
-    outs = llm.generate([{"prompt_token_ids": too_long}, {"prompt_token_ids": ok}], GREEDY,
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": too_long}, {"prompt_token_ids": ok}], GREEDY, use_tqdm=False
+    )
     assert "45 tokens" in outs[0].error and "max_model_len is 40" in outs[0].error
     assert outs[0].outputs[0].finish_reason == "error"
     assert outs[1].outputs[0].token_ids == hf_greedy(model, ok)
@@ -356,9 +398,11 @@ def test_forked_sequences_compute_on_their_own_copies(checkpoints):
     directory, model = checkpoints["mistral"]
     batch = prompts((13, 16, 5), seed=31)
     llm = make_llm(directory, block_size=8)
-    outs = llm.generate([{"prompt_token_ids": p} for p in batch],
-                        SamplingParams(n=4, temperature=0, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in batch],
+        SamplingParams(n=4, temperature=0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
     for prompt, out in zip(batch, outs, strict=True):
         expected = hf_greedy(model, prompt, 12)
         assert [o.token_ids for o in out.outputs] == [expected] * 4
@@ -369,10 +413,12 @@ def test_triton_kernels_give_the_same_greedy_tokens_as_torch(checkpoints):
     directory, _ = checkpoints["qwen2"]
     batch = prompts((5, 19), seed=41)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    torch_path = generate_ids(make_llm(directory, block_size=8, kernel_backend="torch"), batch,
-                              params)
-    triton_path = generate_ids(make_llm(directory, block_size=8, kernel_backend="triton"), batch,
-                               params)
+    torch_path = generate_ids(
+        make_llm(directory, block_size=8, kernel_backend="torch"), batch, params
+    )
+    triton_path = generate_ids(
+        make_llm(directory, block_size=8, kernel_backend="triton"), batch, params
+    )
     assert triton_path == torch_path
 
 

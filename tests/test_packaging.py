@@ -71,8 +71,21 @@ def test_the_wheel_carries_every_module_the_data_files_and_the_kernel_source(tmp
     """What a non-editable install (the container image) gets: every module, templates, word
     lists and the C++ source the CPU kernels are built from."""
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("pagedllm-*.whl")

@@ -41,9 +41,14 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
 # Probes and scrapers must reach these without the API key.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
-ERROR_KINDS = {400: "invalid_request_error", 401: "authentication_error",
-               404: "not_found_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 503: "service_unavailable_error"}
+ERROR_KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable_error",
+}
 
 
 def _error_response(error: ApiError) -> JSONResponse:
@@ -61,11 +66,15 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                response = _error_response(ApiError(
-                    401, "missing or wrong API key: send Authorization: Bearer <key>",
-                    "authentication_error", "invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                ))
+                response = _error_response(
+                    ApiError(
+                        401,
+                        "missing or wrong API key: send Authorization: Bearer <key>",
+                        "authentication_error",
+                        "invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -100,8 +109,9 @@ class BodyLimitMiddleware:
         await self.app(scope, counting_receive, send)
 
     def _too_large(self) -> ApiError:
-        return ApiError(413, f"the request body exceeds {self.limit} bytes",
-                        code="request_too_large")
+        return ApiError(
+            413, f"the request body exceeds {self.limit} bytes", code="request_too_large"
+        )
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
@@ -138,8 +148,7 @@ def build_app(ctx: ServingContext, api_key: str | None) -> FastAPI:
     @app.exception_handler(Exception)
     async def unexpected(_: Request, error: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        return JSONResponse(error_body(f"internal error: {error}", "server_error"),
-                            status_code=500)
+        return JSONResponse(error_body(f"internal error: {error}", "server_error"), status_code=500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -148,8 +157,11 @@ def build_app(ctx: ServingContext, api_key: str | None) -> FastAPI:
             return Response(status_code=200)
         reason = ctx.client.failure if state == NodeState.FAILED else None
         message = f"the server is {state.value}" + (f": {reason}" if reason else "")
-        return JSONResponse(error_body(message, "service_unavailable_error", state.value),
-                            status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse(
+            error_body(message, "service_unavailable_error", state.value),
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -162,11 +174,21 @@ def build_app(ctx: ServingContext, api_key: str | None) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
-             "root": ctx.model_dir, "parent": None, "max_model_len": ctx.max_model_len}
-            for name in ctx.model_names
-        ]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "pagedllm",
+                    "root": ctx.model_dir,
+                    "parent": None,
+                    "max_model_len": ctx.max_model_len,
+                }
+                for name in ctx.model_names
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

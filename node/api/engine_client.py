@@ -77,14 +77,22 @@ class EngineClient:
 
     # ----- requests ------------------------------------------------------------------------
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            deliver: Deliver, final_only: bool = False) -> float:
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        deliver: Deliver,
+        final_only: bool = False,
+    ) -> float:
         """Send a request whose messages go to ``deliver``; returns its arrival time. With
         ``final_only`` its steps between the first token and the end come merged."""
         arrival = time.monotonic()
         self._subscriptions[request_id] = deliver
-        sockets.send(self._requests, AddRequest(request_id, self.index, prompt_token_ids, params,
-                                            arrival, final_only))
+        sockets.send(
+            self._requests,
+            AddRequest(request_id, self.index, prompt_token_ids, params, arrival, final_only),
+        )
         return arrival
 
     def abort(self, request_id: str) -> None:
@@ -135,8 +143,11 @@ class EngineClient:
                 log.warning("%s: ignored a %s message", where, type(message).__name__)
 
     def _deliver(self, request_id: str, message: Any, last: bool) -> None:
-        deliver = (self._subscriptions.pop(request_id, None) if last
-                   else self._subscriptions.get(request_id))
+        deliver = (
+            self._subscriptions.pop(request_id, None)
+            if last
+            else self._subscriptions.get(request_id)
+        )
         if deliver is not None:
             _call(deliver, request_id, message)
 

@@ -49,8 +49,11 @@ class EventStreamResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(events, media_type=self.media_type,
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            events,
+            media_type=self.media_type,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self.events = events
         self.on_close = on_close
 
@@ -66,8 +69,9 @@ class EventStreamResponse(StreamingResponse):
                 await aclose()
 
     async def _stream(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
         async for chunk in self.events:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

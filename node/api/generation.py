@@ -72,12 +72,20 @@ class Generation:
         self.client.begin()
         for i, prompt in enumerate(self.prompts):
             request_id = f"{self.request_id}-{i}"
-            state = RequestOutputState(request_id, prompt.text, prompt.token_ids, self.params,
-                                       self.tokenizer, time.monotonic())
+            state = RequestOutputState(
+                request_id,
+                prompt.text,
+                prompt.token_ids,
+                self.params,
+                self.tokenizer,
+                time.monotonic(),
+            )
             request = EngineRequest(request_id, state)
             self.requests.append(request)
             request.arrival = self.client.add(
-                request_id, prompt.token_ids, self.params,
+                request_id,
+                prompt.token_ids,
+                self.params,
                 lambda message, tag=i: self._receive(tag, message),
                 # Stop strings are found in the text, so it must follow every step.
                 final_only=not self.streaming and not self.params.stop_strings,
@@ -146,7 +154,8 @@ class Generation:
             raise GenerationError(message.status, message.message, "queue_full" if full else None)
         if isinstance(message, NodeFailed):
             raise GenerationError(
-                503, f"the serving node failed ({message.reason}); retry the request",
+                503,
+                f"the serving node failed ({message.reason}); retry the request",
                 "node_failed",
             )
         delta: RequestDelta = message

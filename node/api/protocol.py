@@ -19,7 +19,6 @@ MAX_SAMPLES = 128
 MAX_LOGPROBS = 20
 
 
-
 def _encodable(text: str) -> str:
     # JSON may carry unpaired surrogates ("\ud800"), which no tokenizer or encoder accepts.
     try:
@@ -126,12 +125,19 @@ class DetokenizeRequest(_Body):
     tokens: list[TokenId]
 
 
-def error_body(message: str, kind: str, code: str | None = None,
-               param: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, kind: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error shape. Text quoted from the request is made encodable first, so that
     no input can break the error answer itself."""
-    return {"error": {"message": _printable(message), "type": kind,
-                      "param": None if param is None else _printable(param), "code": code}}
+    return {
+        "error": {
+            "message": _printable(message),
+            "type": kind,
+            "param": None if param is None else _printable(param),
+            "code": code,
+        }
+    }
 
 
 def _printable(text: str) -> str:

@@ -23,9 +23,15 @@ MIN_LOGPROB = -9999.0
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -40,8 +46,13 @@ class ApiError(Exception):
 
 def from_generation_error(error: GenerationError) -> ApiError:
     if error.status == 503:
-        return ApiError(503, error.message, "service_unavailable_error", error.code,
-                        headers={"Retry-After": "1"})
+        return ApiError(
+            503,
+            error.message,
+            "service_unavailable_error",
+            error.code,
+            headers={"Retry-After": "1"},
+        )
     kind = "invalid_request_error" if error.status < 500 else "server_error"
     return ApiError(error.status, error.message, kind, error.code)
 
@@ -62,9 +73,14 @@ class ServingContext:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
-            raise ApiError(404, f"The model `{name}` does not exist; this server serves "
-                           f"{', '.join(self.model_names)}", "not_found_error",
-                           "model_not_found", "model")
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist; this server serves "
+                f"{', '.join(self.model_names)}",
+                "not_found_error",
+                "model_not_found",
+                "model",
+            )
 
     def check_admitting(self) -> None:
         state = self.client.state
@@ -75,27 +91,38 @@ class ServingContext:
             NodeState.DRAINING: "the server is shutting down",
             NodeState.FAILED: f"the serving node failed ({self.client.failure})",
         }[state]
-        raise ApiError(503, f"{reason}; retry the request", "service_unavailable_error",
-                       state.value, headers={"Retry-After": "1"})
+        raise ApiError(
+            503,
+            f"{reason}; retry the request",
+            "service_unavailable_error",
+            state.value,
+            headers={"Retry-After": "1"},
+        )
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
         if bad:
-            raise ApiError(400, f"{param} contains token ids outside the vocabulary "
-                           f"[0, {self.vocab_size}): {bad[:5]}", param=param)
+            raise ApiError(
+                400,
+                f"{param} contains token ids outside the vocabulary "
+                f"[0, {self.vocab_size}): {bad[:5]}",
+                param=param,
+            )
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ApiError(400, "this model has no chat template; use /v1/completions",
-                           param="messages")
+            raise ApiError(
+                400, "this model has no chat template; use /v1/completions", param="messages"
+            )
         conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as error:  # the template's own raise_exception and jinja errors
-            raise ApiError(400, f"the chat template rejected the messages: {error}",
-                           param="messages") from None
+            raise ApiError(
+                400, f"the chat template rejected the messages: {error}", param="messages"
+            ) from None
 
 
 def _message_text(message: ChatMessage) -> str:
@@ -121,12 +148,17 @@ def clamp_logprob(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
-def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+) -> SamplingParams:
     unsupported = body.unsupported_fields()
     if unsupported:
-        raise ApiError(400, f"{', '.join(unsupported)} is not supported by this server",
-                       param=unsupported[0])
+        raise ApiError(
+            400, f"{', '.join(unsupported)} is not supported by this server", param=unsupported[0]
+        )
     if body.stream and body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of must equal n when streaming", param="best_of")
     try:
@@ -164,7 +196,8 @@ def check_lengths(ctx: ServingContext, prompts: list[Prompt], max_tokens: int | 
                 400,
                 f"This model's maximum context length is {ctx.max_model_len} tokens, but the "
                 f"prompt has {n} tokens, which leaves no room for a completion",
-                code="context_length_exceeded", param="prompt",
+                code="context_length_exceeded",
+                param="prompt",
             )
         if max_tokens is not None and n + max_tokens > ctx.max_model_len:
             raise ApiError(
@@ -172,5 +205,6 @@ def check_lengths(ctx: ServingContext, prompts: list[Prompt], max_tokens: int | 
                 f"This model's maximum context length is {ctx.max_model_len} tokens. However, "
                 f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the "
                 "completion). Reduce the length of the prompt or the completion.",
-                code="context_length_exceeded", param="max_tokens",
+                code="context_length_exceeded",
+                param="max_tokens",
             )

@@ -31,30 +31,38 @@ class ChatRun:
     response_id: str
     created: int
 
-    def logprobs(self, token_ids: list[int],
-                 entries: list[dict[int, float]]) -> dict[str, Any]:
+    def logprobs(self, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:
         decode = self.ctx.tokenizer.decode
         top_n = self.body.top_logprobs or 0
         content = []
         for token, entry in zip(token_ids, entries, strict=True):
             text = decode([token])
             top = sorted(entry.items(), key=lambda item: -item[1])[:top_n]
-            content.append({
-                "token": text, "logprob": clamp_logprob(entry.get(token, MIN_LOGPROB)),
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {"token": (t := decode([tid])), "logprob": clamp_logprob(lp),
-                     "bytes": list(t.encode())}
-                    for tid, lp in top
-                ],
-            })
+            content.append(
+                {
+                    "token": text,
+                    "logprob": clamp_logprob(entry.get(token, MIN_LOGPROB)),
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": (t := decode([tid])),
+                            "logprob": clamp_logprob(lp),
+                            "bytes": list(t.encode()),
+                        }
+                        for tid, lp in top
+                    ],
+                }
+            )
         return {"content": content}
 
     def usage(self) -> dict[str, int]:
         prompt = len(self.generation.prompts[0].token_ids)
         completion = sum(len(o.token_ids) for o in self.generation.outputs()[0].outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     def response(self) -> dict[str, Any]:
         choices = []
@@ -62,15 +70,23 @@ class ChatRun:
             logprobs = None
             if self.body.logprobs:
                 logprobs = self.logprobs(list(o.token_ids), list(o.logprobs or []))
-            choices.append({
-                "index": o.index,
-                "message": {"role": "assistant", "content": o.text},
-                "logprobs": logprobs,
-                "finish_reason": o.finish_reason,
-                "stop_reason": o.stop_reason,
-            })
-        return {"id": self.response_id, "object": "chat.completion", "created": self.created,
-                "model": self.ctx.model_name, "choices": choices, "usage": self.usage()}
+            choices.append(
+                {
+                    "index": o.index,
+                    "message": {"role": "assistant", "content": o.text},
+                    "logprobs": logprobs,
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+            )
+        return {
+            "id": self.response_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.ctx.model_name,
+            "choices": choices,
+            "usage": self.usage(),
+        }
 
     async def stream(self, first: Step) -> AsyncIterator[bytes]:
         started: set[int] = set()
@@ -81,10 +97,18 @@ class ChatRun:
                 for d in event[1]:
                     if d.index not in started:
                         started.add(d.index)
-                        yield sse(self._chunk([{
-                            "index": d.index, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None,
-                        }]))
+                        yield sse(
+                            self._chunk(
+                                [
+                                    {
+                                        "index": d.index,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ]
+                            )
+                        )
                     logprobs = None
                     if self.body.logprobs and d.logprobs:
                         logprobs = self.logprobs(d.token_ids, list(d.logprobs))
@@ -92,29 +116,52 @@ class ChatRun:
                         continue
                     if d.finish_reason is not None:
                         finished.add(d.index)
-                    yield sse(self._chunk([{
-                        "index": d.index, "delta": {"content": d.text} if d.text else {},
-                        "logprobs": logprobs, "finish_reason": d.finish_reason,
-                        "stop_reason": d.stop_reason,
-                    }]))
+                    yield sse(
+                        self._chunk(
+                            [
+                                {
+                                    "index": d.index,
+                                    "delta": {"content": d.text} if d.text else {},
+                                    "logprobs": logprobs,
+                                    "finish_reason": d.finish_reason,
+                                    "stop_reason": d.stop_reason,
+                                }
+                            ]
+                        )
+                    )
                 event = await self.generation.next()
             for o in self.generation.outputs()[0].outputs:
                 if o.index not in finished:
-                    yield sse(self._chunk([{
-                        "index": o.index, "delta": {}, "logprobs": None,
-                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                    }]))
+                    yield sse(
+                        self._chunk(
+                            [
+                                {
+                                    "index": o.index,
+                                    "delta": {},
+                                    "logprobs": None,
+                                    "finish_reason": o.finish_reason,
+                                    "stop_reason": o.stop_reason,
+                                }
+                            ]
+                        )
+                    )
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield sse(self._chunk([], usage=self.usage()))
         except GenerationError as error:
             yield sse(from_generation_error(error).body())
         yield SSE_DONE
 
-    def _chunk(self, choices: list[dict[str, Any]],
-               usage: dict[str, int] | None = None) -> dict[str, Any]:
-        return {"id": self.response_id, "object": "chat.completion.chunk",
-                "created": self.created, "model": self.ctx.model_name, "choices": choices,
-                "usage": usage}
+    def _chunk(
+        self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.ctx.model_name,
+            "choices": choices,
+            "usage": usage,
+        }
 
 
 def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> ChatRun:
@@ -130,6 +177,7 @@ def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> ChatRun:
     ctx.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
     ctx.check_admitting()
     response_id = random_id("chatcmpl")
-    generation = Generation(ctx.client, ctx.metrics, ctx.tokenizer, response_id, [prompt],
-                            params, streaming=body.stream)
+    generation = Generation(
+        ctx.client, ctx.metrics, ctx.tokenizer, response_id, [prompt], params, streaming=body.stream
+    )
     return ChatRun(ctx, body, generation, response_id, int(time.time()))

@@ -61,8 +61,9 @@ class CompletionRun:
             prompt.text = self.ctx.tokenizer.decode(prompt.token_ids)
         return prompt.text
 
-    def logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None],
-                 offset: int) -> dict[str, Any]:
+    def logprobs(
+        self, token_ids: list[int], entries: list[dict[int, float] | None], offset: int
+    ) -> dict[str, Any]:
         decode = self.ctx.tokenizer.decode
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token, entry in zip(token_ids, entries, strict=True):
@@ -76,15 +77,21 @@ class CompletionRun:
                 continue
             token_logprobs.append(clamp_logprob(entry.get(token, MIN_LOGPROB)))
             tops.append({decode([t]): clamp_logprob(lp) for t, lp in entry.items()})
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
     def usage(self) -> dict[str, int]:
         prompt = sum(len(p.token_ids) for p in self.generation.prompts)
-        completion = sum(len(o.token_ids) for out in self.generation.outputs()
-                         for o in out.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        completion = sum(len(o.token_ids) for out in self.generation.outputs() for o in out.outputs)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     def response(self) -> dict[str, Any]:
         choices = []
@@ -92,24 +99,44 @@ class CompletionRun:
         for i, out in enumerate(self.generation.outputs()):
             for o in out.outputs:
                 choices.append(self._choice(i * n + o.index, i, o, out.prompt_logprobs))
-        return {"id": self.response_id, "object": "text_completion", "created": self.created,
-                "model": self.ctx.model_name, "choices": choices, "usage": self.usage()}
+        return {
+            "id": self.response_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.ctx.model_name,
+            "choices": choices,
+            "usage": self.usage(),
+        }
 
-    def _choice(self, index: int, prompt_index: int, o: CompletionOutput,
-                prompt_logprobs: list[dict[int, float] | None] | None) -> dict[str, Any]:
+    def _choice(
+        self,
+        index: int,
+        prompt_index: int,
+        o: CompletionOutput,
+        prompt_logprobs: list[dict[int, float] | None] | None,
+    ) -> dict[str, Any]:
         text, logprobs = o.text, None
         prefix = self.prompt_text(prompt_index) if self.body.echo else ""
         if self.body.logprobs is not None:
-            ids, entries = self._with_prompt(prompt_index, list(o.token_ids),
-                                             list(o.logprobs or []), prompt_logprobs)
+            ids, entries = self._with_prompt(
+                prompt_index, list(o.token_ids), list(o.logprobs or []), prompt_logprobs
+            )
             logprobs = self.logprobs(ids, entries, 0)
-        return {"index": index, "text": prefix + text, "logprobs": logprobs,
-                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+        return {
+            "index": index,
+            "text": prefix + text,
+            "logprobs": logprobs,
+            "finish_reason": o.finish_reason,
+            "stop_reason": o.stop_reason,
+        }
 
-    def _with_prompt(self, prompt_index: int, ids: list[int],
-                     entries: list[dict[int, float] | None],
-                     prompt_logprobs: list[dict[int, float] | None] | None,
-                     ) -> tuple[list[int], list[dict[int, float] | None]]:
+    def _with_prompt(
+        self,
+        prompt_index: int,
+        ids: list[int],
+        entries: list[dict[int, float] | None],
+        prompt_logprobs: list[dict[int, float] | None] | None,
+    ) -> tuple[list[int], list[dict[int, float] | None]]:
         """With echo, the prompt's tokens (the first without a logprob) lead the output's."""
         if not self.body.echo:
             return ids, entries
@@ -134,8 +161,9 @@ class CompletionRun:
                         if self.body.echo:
                             text = self.prompt_text(prompt_index) + text
                             state = self.generation.requests[prompt_index].state
-                            ids, entries = self._with_prompt(prompt_index, ids, entries,
-                                                             state.prompt_logprobs)
+                            ids, entries = self._with_prompt(
+                                prompt_index, ids, entries, state.prompt_logprobs
+                            )
                     logprobs = None
                     if self.body.logprobs is not None and entries:
                         offset = offsets.get(index, 0)
@@ -145,28 +173,53 @@ class CompletionRun:
                         continue
                     if d.finish_reason is not None:
                         finished.add(index)
-                    yield sse(self._chunk([{
-                        "index": index, "text": text, "logprobs": logprobs,
-                        "finish_reason": d.finish_reason, "stop_reason": d.stop_reason,
-                    }]))
+                    yield sse(
+                        self._chunk(
+                            [
+                                {
+                                    "index": index,
+                                    "text": text,
+                                    "logprobs": logprobs,
+                                    "finish_reason": d.finish_reason,
+                                    "stop_reason": d.stop_reason,
+                                }
+                            ]
+                        )
+                    )
                 event = await self.generation.next()
             for i, out in enumerate(self.generation.outputs()):
                 for o in out.outputs:
                     if i * n + o.index not in finished:
-                        yield sse(self._chunk([{
-                            "index": i * n + o.index, "text": "", "logprobs": None,
-                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                        }]))
+                        yield sse(
+                            self._chunk(
+                                [
+                                    {
+                                        "index": i * n + o.index,
+                                        "text": "",
+                                        "logprobs": None,
+                                        "finish_reason": o.finish_reason,
+                                        "stop_reason": o.stop_reason,
+                                    }
+                                ]
+                            )
+                        )
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield sse(self._chunk([], usage=self.usage()))
         except GenerationError as error:
             yield sse(from_generation_error(error).body())
         yield SSE_DONE
 
-    def _chunk(self, choices: list[dict[str, Any]],
-               usage: dict[str, int] | None = None) -> dict[str, Any]:
-        return {"id": self.response_id, "object": "text_completion", "created": self.created,
-                "model": self.ctx.model_name, "choices": choices, "usage": usage}
+    def _chunk(
+        self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.ctx.model_name,
+            "choices": choices,
+            "usage": usage,
+        }
 
 
 def prepare_completion(ctx: ServingContext, body: CompletionRequest) -> CompletionRun:
@@ -174,11 +227,13 @@ def prepare_completion(ctx: ServingContext, body: CompletionRequest) -> Completi
     prompts = completion_prompts(ctx, body)
     check_lengths(ctx, prompts, body.max_tokens)
     logprobs = body.logprobs
-    params = sampling_params(body, body.max_tokens, logprobs,
-                             logprobs if body.echo and logprobs is not None else None)
+    params = sampling_params(
+        body, body.max_tokens, logprobs, logprobs if body.echo and logprobs is not None else None
+    )
     ctx.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
     ctx.check_admitting()
     response_id = random_id("cmpl")
-    generation = Generation(ctx.client, ctx.metrics, ctx.tokenizer, response_id, prompts,
-                            params, streaming=body.stream)
+    generation = Generation(
+        ctx.client, ctx.metrics, ctx.tokenizer, response_id, prompts, params, streaming=body.stream
+    )
     return CompletionRun(ctx, body, generation, response_id, int(time.time()))

@@ -19,8 +19,9 @@ def merge_seq(earlier: SeqDelta, later: SeqDelta) -> SeqDelta:
     logprobs = None
     if earlier.new_logprobs is not None or later.new_logprobs is not None:
         logprobs = (earlier.new_logprobs or []) + (later.new_logprobs or [])
-    return replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
-                   new_logprobs=logprobs)
+    return replace(
+        later, new_token_ids=earlier.new_token_ids + later.new_token_ids, new_logprobs=logprobs
+    )
 
 
 def merge(earlier: RequestDelta, later: RequestDelta) -> RequestDelta:

@@ -190,10 +190,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < cfg.max_num_seqs
+            not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs
         ):
             seq = self.waiting[0]
             hit = self.block_manager.find_prefix(seq)
@@ -352,9 +349,7 @@ class Scheduler:
             if seq is None:
                 continue
             request = seq.request
-            for k, (lp, top) in enumerate(
-                zip(part.token_logprobs, part.top_logprobs, strict=True)
-            ):
+            for k, (lp, top) in enumerate(zip(part.token_logprobs, part.top_logprobs, strict=True)):
                 entry = {request.prompt_token_ids[part.start + k]: lp}
                 entry.update({t: v for t, v in top if t not in entry})
                 request.prompt_logprobs.append(entry)
@@ -417,9 +412,8 @@ class Scheduler:
         allow."""
         max_tokens = seq.params.max_tokens
         return (
-            (max_tokens is not None and seq.num_output_tokens + more >= max_tokens)
-            or seq.num_tokens + more >= self.config.max_model_len
-        )
+            max_tokens is not None and seq.num_output_tokens + more >= max_tokens
+        ) or seq.num_tokens + more >= self.config.max_model_len
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         request = parent.request
@@ -485,8 +479,11 @@ class Scheduler:
             if is_eos and seq.num_output_tokens + 1 > p.min_tokens:
                 if len(request.finished_beams) < width:
                     done = Sequence(
-                        next(self._seq_ids), request, seq.token_ids + [tok],
-                        status=SequenceStatus.FINISHED, finish_reason=FinishReason.STOP,
+                        next(self._seq_ids),
+                        request,
+                        seq.token_ids + [tok],
+                        status=SequenceStatus.FINISHED,
+                        finish_reason=FinishReason.STOP,
                         cumulative_logprob=seq.cumulative_logprob + lp,
                     )
                     request.finished_beams.append(done)
@@ -539,9 +536,7 @@ class Scheduler:
 
     def _seq_delta(self, seq: Sequence, start: int) -> SeqDelta:
         first_output = start - seq.prompt_len
-        logprobs = (
-            seq.output_logprobs[first_output:] if seq.params.logprobs is not None else None
-        )
+        logprobs = seq.output_logprobs[first_output:] if seq.params.logprobs is not None else None
         return SeqDelta(
             index=seq.index,
             new_token_ids=seq.token_ids[start:],
@@ -556,6 +551,7 @@ class Scheduler:
         p = request.params
         delta = RequestDelta(request.request_id)
         if p.use_beam_search:
+
             def score(s: Sequence) -> float:
                 return s.cumulative_logprob / (max(1, s.num_output_tokens) ** p.length_penalty)
 

@@ -22,8 +22,9 @@ def _nothing() -> None:
 
 
 class StepPipeline:
-    def __init__(self, scheduler: Scheduler, send: Callable[[StepPlan], None],
-                 plan_ahead: bool) -> None:
+    def __init__(
+        self, scheduler: Scheduler, send: Callable[[StepPlan], None], plan_ahead: bool
+    ) -> None:
         self.scheduler = scheduler
         self._send = send
         self.plan_ahead = plan_ahead
@@ -47,8 +48,9 @@ class StepPipeline:
             if ahead is not None and not ahead.is_empty:
                 self._out(ahead)
 
-    def complete(self, result: Callable[[StepPlan], StepResult],
-                 take_in: Callable[[], None] = _nothing) -> list[RequestDelta]:
+    def complete(
+        self, result: Callable[[StepPlan], StepResult], take_in: Callable[[], None] = _nothing
+    ) -> list[RequestDelta]:
         """Apply the oldest plan's ``result``; then ``take_in`` new requests and, when nothing is
         left out, send the next plan before the caller turns to the outputs."""
         plan = self.in_flight.popleft()

@@ -76,8 +76,9 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         """Nothing for the workers to do or to change."""
-        return not (self.scheduled or self.new or self.running or self.finished
-                    or self.block_copies)
+        return not (
+            self.scheduled or self.new or self.running or self.finished or self.block_copies
+        )
 
 
 @dataclass

@@ -104,8 +104,19 @@ class NodeFailed:
 
 
 Message = (
-    AddRequest | AbortRequest | StopSequence | RequestOutputs | RequestRejected | WorkerReady
-    | ProcessReady | ApiServerIdle | NodeReady | Drain | NodeFailed | StepPlan | StepResult
+    AddRequest
+    | AbortRequest
+    | StopSequence
+    | RequestOutputs
+    | RequestRejected
+    | WorkerReady
+    | ProcessReady
+    | ApiServerIdle
+    | NodeReady
+    | Drain
+    | NodeFailed
+    | StepPlan
+    | StepResult
 )
 
 

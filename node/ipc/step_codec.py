@@ -112,8 +112,9 @@ def decode_plan(payload: Any) -> StepPlan:
             RunningUpdate(*fields)
             for fields in zip(seq_ids, tokens, blocks_from, blocks, computed, strict=True)
         ],
-        scheduled=list(zip(ids, _column(sched_counts, _I8, len(ids), "scheduled counts"),
-                           strict=True)),
+        scheduled=list(
+            zip(ids, _column(sched_counts, _I8, len(ids), "scheduled counts"), strict=True)
+        ),
         num_samples=num_samples,
         finished=_column(finished, _I8, None, "finished ids"),
         block_copies=_decode_pairs(copies),

@@ -93,13 +93,19 @@ class RequestOutputState:
         return deltas, stopped
 
     def _stream_delta(
-        self, index: int, seq: SeqState, token_ids: list[int],
+        self,
+        index: int,
+        seq: SeqState,
+        token_ids: list[int],
         logprobs: list[dict[int, float]] | None,
     ) -> TextDelta:
         text = seq.detok.text
         # Hold back a tail that could still become a stop string.
-        hold = 0 if seq.finish_reason else max((len(s) - 1 for s in self.params.stop_strings),
-                                               default=0)
+        hold = (
+            0
+            if seq.finish_reason
+            else max((len(s) - 1 for s in self.params.stop_strings), default=0)
+        )
         upto = max(seq.emitted, len(text) - hold)
         piece = text[seq.emitted : upto]
         seq.emitted = upto

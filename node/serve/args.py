@@ -102,55 +102,111 @@ def byte_size(text: str) -> int:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser
-    p.add_argument("--model", default=None,
-                   help="local Hugging Face model directory (default: the built-in demo model)")
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="names clients use in `model` (the first appears in responses and "
-                        f"metrics; default: the --model value, or {DEMO_MODEL_NAME})")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face model directory (default: the built-in demo model)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names clients use in `model` (the first appears in responses and "
+        f"metrics; default: the --model value, or {DEMO_MODEL_NAME})",
+    )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--api-key", default=None,
-                   help=f"require `Authorization: Bearer KEY` on the API (default: "
-                        f"${API_KEY_ENV} if set, else no key)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require `Authorization: Bearer KEY` on the API (default: "
+        f"${API_KEY_ENV} if set, else no key)",
+    )
     p.add_argument("--dtype", choices=DTYPES, default="auto")
-    p.add_argument("--block-size", type=positive_int, default=16,
-                   help="tokens per KV-cache block")
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
-                   help="share of accelerator memory for weights, activations and KV cache")
-    p.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="BYTES",
-                   help="KV-cache size per rank, e.g. 32MiB (overrides "
-                        "--gpu-memory-utilization)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
-                   help="token budget of one step")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256,
-                   help="most sequences in the running batch")
-    p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="longest prompt + completion (default: the model's)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
-                   help="worker processes the model is sharded over")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="reuse the KV cache of identical prompt prefixes")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=fraction,
+        default=0.9,
+        help="share of accelerator memory for weights, activations and KV cache",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=byte_size,
+        default=None,
+        metavar="BYTES",
+        help="KV-cache size per rank, e.g. 32MiB (overrides --gpu-memory-utilization)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens", type=positive_int, default=2048, help="token budget of one step"
+    )
+    p.add_argument(
+        "--max-num-seqs", type=positive_int, default=256, help="most sequences in the running batch"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="longest prompt + completion (default: the model's)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive_int,
+        default=1,
+        help="worker processes the model is sharded over",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of identical prompt prefixes",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the prefix-cache hash")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--kernel-backend", choices=BACKENDS, default="auto",
-                   help="attention kernels: Triton on CUDA, the C++ CPU kernels elsewhere "
-                        "(auto), or the pure-torch reference")
-    p.add_argument("--max-waiting", type=positive_int, default=None,
-                   help="answer 503 (Retry-After) while this many requests wait (default: "
-                        "no limit)")
-    p.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
-                   metavar="SECONDS",
-                   help="on SIGTERM, how long in-flight requests may run before exit")
-    p.add_argument("--api-server-count", type=positive_int, default=1,
-                   help="HTTP front processes sharing the port")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="send each step's plan before the previous step's samples are back, "
-                        "so the worker never waits for the scheduler (one worker only)")
-    p.add_argument("--api-server-nice", type=niceness, default=DEFAULT_API_SERVER_NICE,
-                   metavar="0-19",
-                   help="CPU niceness of the HTTP front processes: above 0 their work (HTTP, "
-                        "detokenization) waits for the gaps between the workers' compute "
-                        "instead of stalling it, at the cost of slower admission under load")
+    p.add_argument(
+        "--kernel-backend",
+        choices=BACKENDS,
+        default="auto",
+        help="attention kernels: Triton on CUDA, the C++ CPU kernels elsewhere "
+        "(auto), or the pure-torch reference",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=positive_int,
+        default=None,
+        help="answer 503 (Retry-After) while this many requests wait (default: no limit)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight requests may run before exit",
+    )
+    p.add_argument(
+        "--api-server-count",
+        type=positive_int,
+        default=1,
+        help="HTTP front processes sharing the port",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each step's plan before the previous step's samples are back, "
+        "so the worker never waits for the scheduler (one worker only)",
+    )
+    p.add_argument(
+        "--api-server-nice",
+        type=niceness,
+        default=DEFAULT_API_SERVER_NICE,
+        metavar="0-19",
+        help="CPU niceness of the HTTP front processes: above 0 their work (HTTP, "
+        "detokenization) waits for the gaps between the workers' compute "
+        "instead of stalling it, at the cost of slower admission under load",
+    )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
@@ -194,8 +250,10 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
         parser.error(str(error))
     max_model_len = engine.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
-        parser.error(f"--max-model-len {max_model_len} exceeds the model's "
-                     f"max_position_embeddings ({model.max_position_embeddings})")
+        parser.error(
+            f"--max-model-len {max_model_len} exceeds the model's "
+            f"max_position_embeddings ({model.max_position_embeddings})"
+        )
     names = ns.served_model_name or [ns.model if ns.model is not None else DEMO_MODEL_NAME]
     return ServeArgs(
         engine=engine,

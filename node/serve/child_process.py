@@ -21,7 +21,9 @@ def setup_child(name: str, log_level: str, supervisor_pid: int) -> None:
     orphan keeps the port or the accelerator.
     """
     logging.basicConfig(
-        level=log_level.upper(), format=LOG_FORMAT.format(name=name), stream=sys.stderr,
+        level=log_level.upper(),
+        format=LOG_FORMAT.format(name=name),
+        stream=sys.stderr,
         force=True,
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -27,14 +27,92 @@ from pagedllm.core.scheduler import SchedulerStats
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LABEL = "model_name"
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25,
-                0.5, 1.0, 2.5, 5.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+STEP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
 
 
 def use_multiprocess_dir(directory: str) -> None:
@@ -71,24 +149,31 @@ class SchedulerMetrics:
     """The scheduler's view: queue depth, KV-cache use, prefix cache, token totals."""
 
     def __init__(self, model: str) -> None:
-        self.running = _gauge("vllm:num_requests_running",
-                              "Requests being generated (in the running batch).", model)
+        self.running = _gauge(
+            "vllm:num_requests_running", "Requests being generated (in the running batch).", model
+        )
         self.waiting = _gauge("vllm:num_requests_waiting", "Requests waiting to run.", model)
-        self.kv_usage = _gauge("vllm:kv_cache_usage_perc",
-                               "Fraction of KV-cache blocks in use (1 = full).", model)
-        self.prefix_queries = _counter("vllm:prefix_cache_queries",
-                                       "Prompt tokens looked up in the prefix cache.", model)
-        self.prefix_hits = _counter("vllm:prefix_cache_hits",
-                                    "Prompt tokens found in the prefix cache.", model)
-        self.preemptions = _counter("vllm:num_preemptions",
-                                    "Sequences preempted for lack of KV-cache blocks.", model)
+        self.kv_usage = _gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", model
+        )
+        self.prefix_queries = _counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", model
+        )
+        self.prefix_hits = _counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", model
+        )
+        self.preemptions = _counter(
+            "vllm:num_preemptions", "Sequences preempted for lack of KV-cache blocks.", model
+        )
         self.prompt_tokens = _counter("vllm:prompt_tokens", "Prompt tokens processed.", model)
         self.generation_tokens = _counter("vllm:generation_tokens", "Tokens generated.", model)
-        self.num_blocks = _gauge("pagedllm:kv_cache_blocks",
-                                 "KV-cache blocks the node holds.", model)
+        self.num_blocks = _gauge(
+            "pagedllm:kv_cache_blocks", "KV-cache blocks the node holds.", model
+        )
         self.step_duration = _histogram(
             "pagedllm:step_duration_seconds",
-            "Model step as the scheduler sees it: plan sent to samples back.", model,
+            "Model step as the scheduler sees it: plan sent to samples back.",
+            model,
             STEP_BUCKETS,
         )
         self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0)
@@ -121,22 +206,42 @@ class RequestMetrics:
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
-                               [LABEL, "finished_reason"], registry=None)
-        self.rejected = Counter("pagedllm:requests_rejected",
-                                "Requests refused before generation, by reason.",
-                                [LABEL, "reason"], registry=None)
-        self.ttft = _histogram("vllm:time_to_first_token_seconds",
-                               "Time from arrival to the first generated token.", model,
-                               TTFT_BUCKETS)
-        self.itl = _histogram("vllm:inter_token_latency_seconds",
-                              "Time between successive output steps of a request.", model,
-                              ITL_BUCKETS)
-        self.e2e = _histogram("vllm:e2e_request_latency_seconds",
-                              "Time from arrival to the last token.", model, REQUEST_BUCKETS)
-        self.queue = _histogram("vllm:request_queue_time_seconds",
-                                "Time a request waited before it was first scheduled.", model,
-                                REQUEST_BUCKETS)
+        self.success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            [LABEL, "finished_reason"],
+            registry=None,
+        )
+        self.rejected = Counter(
+            "pagedllm:requests_rejected",
+            "Requests refused before generation, by reason.",
+            [LABEL, "reason"],
+            registry=None,
+        )
+        self.ttft = _histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            model,
+            TTFT_BUCKETS,
+        )
+        self.itl = _histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between successive output steps of a request.",
+            model,
+            ITL_BUCKETS,
+        )
+        self.e2e = _histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            model,
+            REQUEST_BUCKETS,
+        )
+        self.queue = _histogram(
+            "vllm:request_queue_time_seconds",
+            "Time a request waited before it was first scheduled.",
+            model,
+            REQUEST_BUCKETS,
+        )
 
     def finished(self, reason: str) -> None:
         self.success.labels(self.model, reason).inc()

@@ -72,8 +72,7 @@ class SchedulerLoop:
         self.requests = sockets.pull(ctx, paths.requests)
         self.results = sockets.pull(ctx, paths.results)
         self.workers = [
-            sockets.push(ctx, paths.plans(rank))
-            for rank in range(spec.config.tensor_parallel_size)
+            sockets.push(ctx, paths.plans(rank)) for rank in range(spec.config.tensor_parallel_size)
         ]
         self.api_servers = [sockets.push(ctx, paths.api(i)) for i in range(spec.api_server_count)]
         self.control = sockets.push(ctx, paths.control)
@@ -102,8 +101,11 @@ class SchedulerLoop:
 
     def run(self) -> None:
         sockets.send(self.control, ProcessReady("scheduler", 0))
-        log.info("ready: %d KV blocks%s", self.scheduler.config.num_blocks,
-                 ", async scheduling" if self.async_scheduling else "")
+        log.info(
+            "ready: %d KV blocks%s",
+            self.scheduler.config.num_blocks,
+            ", async scheduling" if self.async_scheduling else "",
+        )
         pipeline = StepPipeline(self.scheduler, self._send, self.async_scheduling)
         while True:
             if pipeline.idle:
@@ -112,8 +114,9 @@ class SchedulerLoop:
                     self._receive(block=True)
                 self._receive(block=False)
             pipeline.send_next()
-            deltas = pipeline.complete(lambda plan: self._await_result(plan.step_id),
-                                       lambda: self._receive(block=False))
+            deltas = pipeline.complete(
+                lambda plan: self._await_result(plan.step_id), lambda: self._receive(block=False)
+            )
             self._send_outputs(deltas)
             self.metrics.observe(self.scheduler.stats())
 
@@ -140,8 +143,7 @@ class SchedulerLoop:
                     self._last_result_at = now
                     return message
                 if message is not None:
-                    log.warning("ignored an unexpected %s from the workers",
-                                type(message).__name__)
+                    log.warning("ignored an unexpected %s from the workers", type(message).__name__)
 
     def _receive(self, block: bool) -> None:
         """Take in what the API servers sent: everything queued, after waiting for the first
@@ -171,22 +173,32 @@ class SchedulerLoop:
 
     def _add(self, message: AddRequest) -> None:
         if not 0 <= message.client_index < len(self.api_servers):
-            log.warning("dropped request %r from unknown API server %d", message.request_id,
-                        message.client_index)
+            log.warning(
+                "dropped request %r from unknown API server %d",
+                message.request_id,
+                message.client_index,
+            )
             return
         client = self.api_servers[message.client_index]
         limit = self.spec.max_waiting
         if limit is not None and len(self.scheduler.waiting) >= limit:
-            sockets.send(client, RequestRejected(
-                message.request_id, 503,
-                f"the server is busy: {len(self.scheduler.waiting)} requests are already "
-                f"waiting (--max-waiting {limit}); retry later",
-            ))
+            sockets.send(
+                client,
+                RequestRejected(
+                    message.request_id,
+                    503,
+                    f"the server is busy: {len(self.scheduler.waiting)} requests are already "
+                    f"waiting (--max-waiting {limit}); retry later",
+                ),
+            )
             return
         try:
             self.scheduler.add_request(
-                message.request_id, message.prompt_token_ids, message.params,
-                self.spec.eos_token_ids, message.arrival_time,
+                message.request_id,
+                message.prompt_token_ids,
+                message.params,
+                self.spec.eos_token_ids,
+                message.arrival_time,
             )
         except ValueError as error:
             sockets.send(client, RequestRejected(message.request_id, 400, str(error)))
@@ -198,8 +210,11 @@ class SchedulerLoop:
     def _send_outputs(self, deltas: list[RequestDelta]) -> None:
         by_client: dict[int, list[RequestDelta]] = {}
         for delta in self.outputs.route(deltas, time.monotonic()):
-            index = (self.clients.pop(delta.request_id, None) if delta.finished
-                     else self.clients.get(delta.request_id))
+            index = (
+                self.clients.pop(delta.request_id, None)
+                if delta.finished
+                else self.clients.get(delta.request_id)
+            )
             if index is not None:
                 by_client.setdefault(index, []).append(delta)
         for index, batch in by_client.items():

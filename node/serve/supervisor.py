@@ -85,15 +85,20 @@ class Supervisor:
             self._start_children()
             self.ctx = zmq.Context()
             self.inbox = sockets.pull(self.ctx, self.paths.control)
-            self.api_servers = [sockets.push(self.ctx, self.paths.api(i))
-                                for i in range(self.args.api_server_count)]
+            self.api_servers = [
+                sockets.push(self.ctx, self.paths.api(i)) for i in range(self.args.api_server_count)
+            ]
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
             if not self._wait_until_ready():
                 return 0
             self._broadcast(NodeReady())
-            log.info("serving %s on http://%s:%d", self.args.model_names[0], self.args.host,
-                     self.args.port)
+            log.info(
+                "serving %s on http://%s:%d",
+                self.args.model_names[0],
+                self.args.host,
+                self.args.port,
+            )
             self._watch()
             self._drain()
             return 0
@@ -111,8 +116,9 @@ class Supervisor:
     def _on_signal(self, signum: int, _: Any) -> None:
         self.signals += 1
         if self.signals == 1:
-            log.info("%s: draining (up to %ss)", signal.Signals(signum).name,
-                     self.args.shutdown_timeout)
+            log.info(
+                "%s: draining (up to %ss)", signal.Signals(signum).name, self.args.shutdown_timeout
+            )
         else:
             log.info("%s again: stopping now", signal.Signals(signum).name)
 
@@ -120,20 +126,58 @@ class Supervisor:
         args, paths, pid = self.args, self.paths, os.getpid()
         plans: list[tuple[str, int, Any, Any]] = []
         for rank in range(args.engine.tensor_parallel_size):
-            plans.append(("worker", rank, run_worker, WorkerSpec(
-                args.engine, args.model_dir, rank, paths, args.log_level, pid)))
-        plans.append(("scheduler", 0, run_scheduler, SchedulerSpec(
-            args.engine, args.eos_token_ids, paths, args.api_server_count, args.max_waiting,
-            args.model_names[0], args.log_level, pid, args.async_scheduling)))
+            plans.append(
+                (
+                    "worker",
+                    rank,
+                    run_worker,
+                    WorkerSpec(args.engine, args.model_dir, rank, paths, args.log_level, pid),
+                )
+            )
+        plans.append(
+            (
+                "scheduler",
+                0,
+                run_scheduler,
+                SchedulerSpec(
+                    args.engine,
+                    args.eos_token_ids,
+                    paths,
+                    args.api_server_count,
+                    args.max_waiting,
+                    args.model_names[0],
+                    args.log_level,
+                    pid,
+                    args.async_scheduling,
+                ),
+            )
+        )
         for index in range(args.api_server_count):
-            plans.append(("api_server", index, run_api_server, ApiServerSpec(
-                index, paths, self.tokenizer, args.model_dir, args.model_names,
-                args.max_model_len, args.vocab_size, args.api_key, args.host, args.port,
-                args.log_level, pid, args.api_server_nice)))
+            plans.append(
+                (
+                    "api_server",
+                    index,
+                    run_api_server,
+                    ApiServerSpec(
+                        index,
+                        paths,
+                        self.tokenizer,
+                        args.model_dir,
+                        args.model_names,
+                        args.max_model_len,
+                        args.vocab_size,
+                        args.api_key,
+                        args.host,
+                        args.port,
+                        args.log_level,
+                        pid,
+                        args.api_server_nice,
+                    ),
+                )
+            )
         context = multiprocessing.get_context(_start_method())
         for kind, index, target, spec in plans:
-            process = context.Process(target=target, args=(spec,),
-                                      name=f"pagedllm-{kind}-{index}")
+            process = context.Process(target=target, args=(spec,), name=f"pagedllm-{kind}-{index}")
             process.start()
             self.children.append(Child(kind, index, process))
 
@@ -158,8 +202,9 @@ class Supervisor:
         deadline = time.monotonic() + self.args.shutdown_timeout
         while busy and self.signals < 2:
             if time.monotonic() >= deadline:
-                log.warning("shutdown timeout: %d API servers still had requests in flight",
-                            len(busy))
+                log.warning(
+                    "shutdown timeout: %d API servers still had requests in flight", len(busy)
+                )
                 return
             for message in self._poll():
                 if isinstance(message, ApiServerIdle):
@@ -224,8 +269,9 @@ def _death(child: Child) -> str:
 
 
 def serve(args: ServeArgs) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=LOG_FORMAT.format(name="supervisor"), stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level.upper(), format=LOG_FORMAT.format(name="supervisor"), stream=sys.stderr
+    )
     try:
         tokenizer = load_tokenizer(args.model_dir)
     except ModelLoadError as error:

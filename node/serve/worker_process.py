@@ -47,8 +47,11 @@ def torch_threads(tp_size: int) -> int:
         return configured
     cores = _positive_env(CPUS_ENV)
     if cores is None:
-        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                 else os.cpu_count() or 1)
+        cores = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
     return max(1, cores // tp_size)
 
 
@@ -96,8 +99,14 @@ def _serve(spec: WorkerSpec) -> None:
             if plan is not None:
                 log.warning("%s: ignored a %s message", where, type(plan).__name__)
             continue
-        problem = plan_problem(plan, runner.seqs, runner.num_blocks, runner.block_size,
-                               runner.model_config.vocab_size, runner.last_samples)
+        problem = plan_problem(
+            plan,
+            runner.seqs,
+            runner.num_blocks,
+            runner.block_size,
+            runner.model_config.vocab_size,
+            runner.last_samples,
+        )
         if problem is not None:
             log.warning("%s: dropped step plan %d: %s", where, plan.step_id, problem)
             continue

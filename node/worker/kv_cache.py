@@ -57,7 +57,9 @@ def allocate(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device),
-         torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(num_layers)
     ]

@@ -63,14 +63,20 @@ class ModelRunner:
         self.num_blocks, memory = self._size_cache()
         kv_cache.check_fits(self.num_blocks, self.block_size, self.max_model_len, memory)
         self.kv_caches = kv_cache.allocate(
-            mc.num_hidden_layers, self.num_blocks, self.block_size, self.num_kv_heads,
-            mc.head_dim, self.dtype, self.device,
+            mc.num_hidden_layers,
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
         )
         self.seqs: dict[int, NewSequence] = {}
         # seq id -> the (first) token sampled for it in the last step that sampled it
         self.last_samples: dict[int, int] = {}
-        log.info("KV cache: %d blocks of %d tokens (%d bytes)", self.num_blocks,
-                 self.block_size, memory)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d bytes)", self.num_blocks, self.block_size, memory
+        )
 
     def _block_bytes(self) -> int:
         mc = self.model_config
@@ -95,8 +101,15 @@ class ModelRunner:
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-tokens // self.block_size)
         mc = self.model_config
-        scratch = kv_cache.allocate(mc.num_hidden_layers, blocks, self.block_size,
-                                    self.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        scratch = kv_cache.allocate(
+            mc.num_hidden_layers,
+            blocks,
+            self.block_size,
+            self.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+        )
         positions = torch.arange(tokens, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=positions.clone(),
@@ -107,9 +120,10 @@ class ModelRunner:
             max_seqlen_k=tokens,
         )
         with torch.inference_mode():
-            hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=self.device),
-                                positions, scratch, meta)
-            self.model.compute_logits(hidden[-min(tokens, self.config.max_num_seqs):])
+            hidden = self.model(
+                torch.zeros(tokens, dtype=torch.long, device=self.device), positions, scratch, meta
+            )
+            self.model.compute_logits(hidden[-min(tokens, self.config.max_num_seqs) :])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del scratch, hidden
@@ -210,8 +224,12 @@ class ModelRunner:
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
             rows = [
-                SampleRow(seq.sampling, seq.token_ids[: seq.prompt_len],
-                          seq.token_ids[seq.prompt_len :], plan.num_samples.get(seq_id, 1))
+                SampleRow(
+                    seq.sampling,
+                    seq.token_ids[: seq.prompt_len],
+                    seq.token_ids[seq.prompt_len :],
+                    plan.num_samples.get(seq_id, 1),
+                )
                 for seq_id, seq in sampled
             ]
             for (seq_id, _), out in zip(sampled, sample(logits, rows), strict=True):

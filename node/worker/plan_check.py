@@ -12,16 +12,22 @@ from collections.abc import Container, Mapping
 from pagedllm.core.step_plan import LAST_SAMPLE, NewSequence, StepPlan
 
 
-def plan_problem(plan: StepPlan, seqs: Mapping[int, NewSequence], num_blocks: int,
-                 block_size: int, vocab_size: int,
-                 last_sampled: Container[int] = frozenset()) -> str | None:
+def plan_problem(
+    plan: StepPlan,
+    seqs: Mapping[int, NewSequence],
+    num_blocks: int,
+    block_size: int,
+    vocab_size: int,
+    last_sampled: Container[int] = frozenset(),
+) -> str | None:
     """What makes ``plan`` impossible to execute on ``seqs``, or None. ``last_sampled`` holds
     the sequences the worker has a sample of, which a ``LAST_SAMPLE`` token may stand for."""
     # (tokens, blocks, computed) of every sequence as the plan leaves it
     gone = set(plan.finished)
     after: dict[int, tuple[int, int, int]] = {
         i: (len(s.token_ids), len(s.block_ids), s.num_computed_tokens)
-        for i, s in seqs.items() if i not in gone
+        for i, s in seqs.items()
+        if i not in gone
     }
     blocks: list[int] = [b for pair in plan.block_copies for b in pair]
     tokens: list[int] = []
@@ -35,9 +41,11 @@ def plan_problem(plan: StepPlan, seqs: Mapping[int, NewSequence], num_blocks: in
         num_tokens, num_blocks_held, _ = after[update.seq_id]
         if not 0 <= update.blocks_from <= num_blocks_held:
             return f"sequence {update.seq_id}: blocks_from {update.blocks_from} out of range"
-        after[update.seq_id] = (num_tokens + len(update.new_token_ids),
-                                update.blocks_from + len(update.block_ids),
-                                update.num_computed_tokens)
+        after[update.seq_id] = (
+            num_tokens + len(update.new_token_ids),
+            update.blocks_from + len(update.block_ids),
+            update.num_computed_tokens,
+        )
         blocks += update.block_ids
         if LAST_SAMPLE in update.new_token_ids:
             if update.seq_id not in last_sampled or update.seq_id in gone:

@@ -64,8 +64,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
                 vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty
             )
         if (s.frequency_penalty or s.presence_penalty) and row.output_ids:
-            counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long),
-                                    minlength=vocab)[:vocab].to(logits.dtype)
+            counts = torch.bincount(
+                torch.tensor(row.output_ids, dtype=torch.long), minlength=vocab
+            )[:vocab].to(logits.dtype)
             logits[i] -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0)
         if len(row.output_ids) < s.min_tokens and s.min_tokens_blocked:
             blocked = torch.tensor(s.min_tokens_blocked, dtype=torch.long)

@@ -38,8 +38,9 @@ NUM_BLOCKS = 24
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     torch.manual_seed(0)
-    config = EngineConfig(kv_cache_memory=16 << 20, max_num_batched_tokens=64,
-                          max_num_seqs=12, block_size=BLOCK_SIZE)
+    config = EngineConfig(
+        kv_cache_memory=16 << 20, max_num_batched_tokens=64, max_num_seqs=12, block_size=BLOCK_SIZE
+    )
     return LLMEngine(config)
 
 
@@ -115,8 +116,14 @@ def drive(engine: LLMEngine, trace: Trace, ahead: bool) -> Run:
     def result_of(plan: StepPlan) -> StepResult:
         while plan.step_id not in results:  # the worker: in order, each plan checked first
             step = sent.popleft()
-            problem = plan_problem(step, runner.seqs, NUM_BLOCKS, BLOCK_SIZE,
-                                   runner.model_config.vocab_size, runner.last_samples)
+            problem = plan_problem(
+                step,
+                runner.seqs,
+                NUM_BLOCKS,
+                BLOCK_SIZE,
+                runner.model_config.vocab_size,
+                runner.last_samples,
+            )
             assert problem is None, problem
             results[step.step_id] = runner.execute(step)
         return results.pop(plan.step_id)
@@ -164,20 +171,33 @@ def test_planning_ahead_gives_the_tokens_of_the_synchronous_order(engine: LLMEng
 
 
 def test_the_traces_reach_preemption_and_aborts_with_a_sample_in_flight(engine: LLMEngine):
-    runs = [drive(engine, random_trace(seed, engine.runner.model_config.vocab_size), True)
-            for seed in range(4)]
+    runs = [
+        drive(engine, random_trace(seed, engine.runner.model_config.vocab_size), True)
+        for seed in range(4)
+    ]
     assert sum(run.preemptions for run in runs) > 0
     assert sum(run.dropped_in_flight for run in runs) > 0
 
 
 def test_a_placeholder_needs_a_sample_of_the_workers():
-    seqs = {7: NewSequence(seq_id=7, token_ids=[1, 2, 3], prompt_len=3, block_ids=[0],
-                           num_computed_tokens=3, num_kv_tokens=3, sampling=SamplingSpec())}
-    plan = StepPlan(step_id=1, running=[RunningUpdate(7, [LAST_SAMPLE], 1, [], 3)],
-                    scheduled=[(7, 1)])
+    seqs = {
+        7: NewSequence(
+            seq_id=7,
+            token_ids=[1, 2, 3],
+            prompt_len=3,
+            block_ids=[0],
+            num_computed_tokens=3,
+            num_kv_tokens=3,
+            sampling=SamplingSpec(),
+        )
+    }
+    plan = StepPlan(
+        step_id=1, running=[RunningUpdate(7, [LAST_SAMPLE], 1, [], 3)], scheduled=[(7, 1)]
+    )
     assert plan_problem(plan, seqs, 4, BLOCK_SIZE, 100, last_sampled={7}) is None
     problem = plan_problem(plan, seqs, 4, BLOCK_SIZE, 100, last_sampled=set())
     assert problem == "sequence 7: no sample of the worker's to stand in for"
     other = StepPlan(step_id=2, running=[RunningUpdate(7, [-2], 1, [], 3)], scheduled=[(7, 1)])
     assert plan_problem(other, seqs, 4, BLOCK_SIZE, 100, last_sampled={7}) == (
-        "token ids outside [0, 100)")
+        "token ids outside [0, 100)"
+    )

@@ -44,8 +44,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.scheduler = Scheduler(
             SchedulerConfig(
-                num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=16,
-                max_model_len=40, enable_prefix_caching=True,
+                num_blocks=12,
+                block_size=4,
+                max_num_seqs=6,
+                max_num_batched_tokens=16,
+                max_model_len=40,
+                enable_prefix_caching=True,
             )
         )
         self.worker = FakeWorker(vocab=6, eos=0)
@@ -61,8 +65,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
     def add(self, prompt: list[int], n: int, beam: bool, max_tokens: int) -> None:
         params = (
-            SamplingParams(n=n, best_of=n, use_beam_search=True, temperature=0.0,
-                           max_tokens=max_tokens)
+            SamplingParams(
+                n=n, best_of=n, use_beam_search=True, temperature=0.0, max_tokens=max_tokens
+            )
             if beam and n > 1
             else SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True)
         )

@@ -26,8 +26,14 @@ def words(tokenizer) -> list[int]:
     return [i for i in range(len(tokenizer)) if tokenizer.decode([i]).strip().isalpha()]
 
 
-def random_trace(rng: random.Random, request_id: str, n: int, logprobs: bool,
-                 prompt_logprobs: bool, words: list[int]) -> list[RequestDelta]:
+def random_trace(
+    rng: random.Random,
+    request_id: str,
+    n: int,
+    logprobs: bool,
+    prompt_logprobs: bool,
+    words: list[int],
+) -> list[RequestDelta]:
     """The deltas the scheduler could send for one request: steps of new tokens for its live
     sequences, each ending at some step, the last delta finished."""
     steps = rng.randint(1, 12)
@@ -46,17 +52,21 @@ def random_trace(rng: random.Random, request_id: str, n: int, logprobs: bool,
                 lps = [{t: -rng.random(), t + 1: -2.0} for t in tokens]
                 cumulative[i] += sum(lp[t] for lp, t in zip(lps, tokens, strict=True))
             finish = rng.choice(("length", "stop")) if step == ends[i] else None
-            seqs.append(SeqDelta(i, tokens, lps, cumulative[i], finish,
-                                 7 if finish == "stop" else None))
+            seqs.append(
+                SeqDelta(i, tokens, lps, cumulative[i], finish, 7 if finish == "stop" else None)
+            )
         last = step == steps
-        deltas.append(RequestDelta(
-            request_id, seqs,
-            prompt_logprobs=[None, {9: -0.5}] if prompt_logprobs and step == 1 else [],
-            finished=last,
-            final_order=list(reversed(range(n))) if last and n > 1 else None,
-            num_cached_tokens=16,
-            timings=RequestTimings(0.0, 0.1, 0.2, 0.9) if last else None,
-        ))
+        deltas.append(
+            RequestDelta(
+                request_id,
+                seqs,
+                prompt_logprobs=[None, {9: -0.5}] if prompt_logprobs and step == 1 else [],
+                finished=last,
+                final_order=list(reversed(range(n))) if last and n > 1 else None,
+                num_cached_tokens=16,
+                timings=RequestTimings(0.0, 0.1, 0.2, 0.9) if last else None,
+            )
+        )
     return deltas
 
 
@@ -97,7 +107,7 @@ def test_other_requests_pass_through_in_order(words: list[int]):
     buffer.hold_after_first("held")
     out = []
     for i in range(max(len(held), len(streamed))):
-        out.extend(buffer.route(held[i:i + 1] + streamed[i:i + 1], now=float(i)))
+        out.extend(buffer.route(held[i : i + 1] + streamed[i : i + 1], now=float(i)))
     assert [d for d in out if d.request_id == "streamed"] == streamed
     assert [d.step_times for d in streamed] == [[] for _ in streamed]
 

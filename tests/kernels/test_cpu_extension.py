@@ -27,7 +27,10 @@ print("loaded" if loaded else "fallback")
 
 def probe(kernel_dir: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, cpu_extension.KERNEL_DIR_ENV: str(kernel_dir), **env},
     )
 

@@ -361,21 +361,26 @@ def test_tensor_parallel_ranks_match_a_single_process(tmp_path):
         assert_logits_match(torch.load(tmp_path / f"logits-rank{rank}.pt"), expected)
 
 
-@pytest.mark.skipif(not cpu_linear.available(torch.device("cpu"), torch.float32),
-                    reason="oneDNN weight packing is for x86 CPUs")
+@pytest.mark.skipif(
+    not cpu_linear.available(torch.device("cpu"), torch.float32),
+    reason="oneDNN weight packing is for x86 CPUs",
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_weights_give_the_logits_of_dense_ones(tmp_path, monkeypatch, dtype):
     save_hf_model(tmp_path, CASES["llama-biases"])
     packed, _ = load_model(tmp_path, dtype=dtype)
     projections = [m for m in packed.modules() if isinstance(m, PackableLinear)]
-    assert projections and all(m.packed is not None and m.weight.numel() == 0
-                               for m in projections)
+    assert projections and all(m.packed is not None and m.weight.numel() == 0 for m in projections)
     monkeypatch.setenv(cpu_linear.DISABLE_ENV, "0")
     dense, _ = load_model(tmp_path, dtype=dtype)
-    assert all(m.packed is None and m.weight.numel() > 0
-               for m in dense.modules() if isinstance(m, PackableLinear))
+    assert all(
+        m.packed is None and m.weight.numel() > 0
+        for m in dense.modules()
+        if isinstance(m, PackableLinear)
+    )
     tokens = token_sequences()
     tolerance = 1e-4 if dtype == "float32" else 5e-2
-    for ours, theirs in zip(paged_logits(packed, tokens, 8), paged_logits(dense, tokens, 8),
-                            strict=True):
+    for ours, theirs in zip(
+        paged_logits(packed, tokens, 8), paged_logits(dense, tokens, 8), strict=True
+    ):
         assert (ours - theirs).abs().max().item() < tolerance

@@ -45,8 +45,9 @@ def kubeconfig(emulator: EmulatorThread, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="module")
-def operator_process(kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
-                     ) -> Iterator[OperatorProcess]:
+def operator_process(
+    kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
     process = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator"), KOPF_RUN)
     process.start()
     yield process

@@ -36,16 +36,25 @@ OPERATOR_ENV = {
     "PAGEDLLM_OPERATOR_DISCOVERY_CACHE_SECONDS": "0.5",
 }
 
+
 class Kube:
     """Plain REST calls to the emulator, as any client would make them."""
 
     def __init__(self, url: str):
         self.http = httpx.Client(base_url=url, timeout=10)
 
-    def request(self, method: str, path: str, body: Any = None,
-                content_type: str = "application/json", **params: str) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        **params: str,
+    ) -> Any:
         response = self.http.request(
-            method, path, params=params or None,
+            method,
+            path,
+            params=params or None,
             content=None if body is None else json.dumps(body),
             headers={"Content-Type": content_type},
         )
@@ -90,8 +99,12 @@ def load_crd() -> dict[str, Any]:
 
 
 def pagedllm(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "pagedllm.io/v1alpha1", "kind": "PagedLLM",
-            "metadata": {"name": name}, "spec": spec}
+    return {
+        "apiVersion": "pagedllm.io/v1alpha1",
+        "kind": "PagedLLM",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
 
 
 class OperatorProcess:
@@ -109,11 +122,15 @@ class OperatorProcess:
         log = self.log_path.open("ab")
         # The working directory is not the repository root: there, the folder operator/
         # would shadow the standard library's `operator` module.
-        self.process = subprocess.Popen(self.command, cwd=self.workdir, env=env, stdout=log,
-                                        stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            self.command, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         log.close()
-        eventually(lambda: "Initial authentication has finished" in self.log(), timeout=30,
-                   what="the operator to start")
+        eventually(
+            lambda: "Initial authentication has finished" in self.log(),
+            timeout=30,
+            what="the operator to start",
+        )
 
     def stop(self) -> int:
         assert self.process is not None
@@ -127,5 +144,3 @@ class OperatorProcess:
 
 
 KOPF_RUN = [sys.executable, "-m", "kopf", "run", "-m", "pagedllm.operator", "--all-namespaces"]
-
-

@@ -57,31 +57,63 @@ def endpoints() -> Iterator[list[MetricsEndpoint]]:
         endpoint.close()
 
 
-def add_ready_pod(kube: Kube, namespace: str, name: str, owner: str,
-                  endpoint: MetricsEndpoint) -> None:
+def add_ready_pod(
+    kube: Kube, namespace: str, name: str, owner: str, endpoint: MetricsEndpoint
+) -> None:
     """A pod as the e2e kubelet stand-in reports it: a local process on a loopback port."""
     pods = f"/api/v1/namespaces/{namespace}/pods"
-    kube.create(pods, {
-        "metadata": {"name": name,
-                     "labels": {"app.kubernetes.io/name": "pagedllm",
-                                "pagedllm.io/instance": owner},
-                     "annotations": {"pagedllm.io/metrics-port": str(endpoint.port)}},
-        "spec": {"containers": [{"name": "pagedllm", "image": "pagedllm",
-                                 "ports": [{"name": "http", "containerPort": 8000}]}]},
-    })
-    kube.merge(f"{pods}/{name}/status", {"status": {
-        "phase": "Running", "podIP": "127.0.0.1",
-        "conditions": [{"type": "Ready", "status": "True"}]}})
+    kube.create(
+        pods,
+        {
+            "metadata": {
+                "name": name,
+                "labels": {"app.kubernetes.io/name": "pagedllm", "pagedllm.io/instance": owner},
+                "annotations": {"pagedllm.io/metrics-port": str(endpoint.port)},
+            },
+            "spec": {
+                "containers": [
+                    {
+                        "name": "pagedllm",
+                        "image": "pagedllm",
+                        "ports": [{"name": "http", "containerPort": 8000}],
+                    }
+                ]
+            },
+        },
+    )
+    kube.merge(
+        f"{pods}/{name}/status",
+        {
+            "status": {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            }
+        },
+    )
 
 
 def test_scales_up_at_once_within_bounds_and_down_after_the_delay(
-        kube: Kube, namespace: str, endpoints: list[MetricsEndpoint]) -> None:
+    kube: Kube, namespace: str, endpoints: list[MetricsEndpoint]
+) -> None:
     path = f"{PLLM}/namespaces/{namespace}/pagedllms/demo"
     deployment = f"/apis/apps/v1/namespaces/{namespace}/deployments/demo"
-    kube.create(f"{PLLM}/namespaces/{namespace}/pagedllms", pagedllm("demo", {
-        "model": {"servedName": "demo"},
-        "autoscaling": {"minReplicas": 0, "maxReplicas": 3, "metric": "inflightRequests",
-                        "target": 2, "scaleDownDelaySeconds": 4}}))
+    kube.create(
+        f"{PLLM}/namespaces/{namespace}/pagedllms",
+        pagedllm(
+            "demo",
+            {
+                "model": {"servedName": "demo"},
+                "autoscaling": {
+                    "minReplicas": 0,
+                    "maxReplicas": 3,
+                    "metric": "inflightRequests",
+                    "target": 2,
+                    "scaleDownDelaySeconds": 4,
+                },
+            },
+        ),
+    )
     eventually(lambda: kube.get(deployment), what="the Deployment")
     assert kube.get(deployment)["spec"]["replicas"] == 1
 
@@ -89,8 +121,10 @@ def test_scales_up_at_once_within_bounds_and_down_after_the_delay(
     endpoints[0].running = 10
     add_ready_pod(kube, namespace, "demo-0", "demo", endpoints[0])
     eventually(lambda: kube.get(path)["spec"].get("replicas") == 3, what="scale up to 3")
-    eventually(lambda: kube.get(deployment)["spec"]["replicas"] == 3,
-               what="the Deployment to follow /scale")
+    eventually(
+        lambda: kube.get(deployment)["spec"]["replicas"] == 3,
+        what="the Deployment to follow /scale",
+    )
     status = eventually(lambda: (s := kube.get(path)["status"]).get("lastScaleTime") and s)
     assert status["desiredReplicas"] == 3
     events = kube.list(f"/api/v1/namespaces/{namespace}/events")
@@ -103,12 +137,24 @@ def test_scales_up_at_once_within_bounds_and_down_after_the_delay(
     endpoints[0].running = 0
     time.sleep(1.5)
     assert kube.get(path)["spec"]["replicas"] == 3
-    eventually(lambda: kube.get(path)["spec"]["replicas"] == 0, timeout=10,
-               what="scale to zero after the delay")
+    eventually(
+        lambda: kube.get(path)["spec"]["replicas"] == 0,
+        timeout=10,
+        what="scale to zero after the delay",
+    )
     eventually(lambda: kube.get(deployment)["spec"]["replicas"] == 0)
-    ready = eventually(lambda: next((c for c in kube.get(path)["status"]["conditions"]
-                                     if c["type"] == "Ready" and c["reason"] == "ScaledToZero"),
-                                    None), what="Ready=False/ScaledToZero")
+    ready = eventually(
+        lambda: next(
+            (
+                c
+                for c in kube.get(path)["status"]["conditions"]
+                if c["type"] == "Ready" and c["reason"] == "ScaledToZero"
+            ),
+            None,
+        ),
+        what="Ready=False/ScaledToZero",
+    )
     assert ready["status"] == "False"
-    assert any(e["reason"] == "ScaledDown" for e in
-               kube.list(f"/api/v1/namespaces/{namespace}/events"))
+    assert any(
+        e["reason"] == "ScaledDown" for e in kube.list(f"/api/v1/namespaces/{namespace}/events")
+    )

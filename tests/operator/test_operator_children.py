@@ -21,30 +21,57 @@ OWNER = Owner(name="llama", namespace="models", uid="0b3a2c1e-0000-4000-8000-000
 
 SPECS: dict[str, dict[str, Any]] = {
     "demo": {"model": {"servedName": "demo"}},
-    "image-path": {"model": {"uri": "/opt/models/tiny", "servedName": "tiny"}, "replicas": 3,
-                   "rollout": {"strategy": "Recreate"}, "env": [{"name": "A", "value": "1"}]},
-    "pvc": {"model": {"uri": "pvc://weights/llama/8b", "servedName": "llama"},
-            "apiKeySecretRef": {"name": "key"},
-            "scheduling": {"nodeSelector": {"gpu": "l4"}, "priorityClassName": "serving",
-                           "tolerations": [{"key": "dedicated", "operator": "Exists"}],
-                           "affinity": {"nodeAffinity": {
-                               "requiredDuringSchedulingIgnoredDuringExecution": {
-                                   "nodeSelectorTerms": [{"matchExpressions": [
-                                       {"key": "zone", "operator": "In",
-                                        "values": ["a"]}]}]}}}}},
-    "hf-gpu-hpa": {"model": {"uri": "hf://meta-llama/Llama-3.1-8B", "servedName": "llama"},
-                   "resources": {"limits": {"nvidia.com/gpu": 2, "memory": "48Gi"}},
-                   "engine": {"tensorParallelSize": 2, "kvCacheMemory": "8Gi",
-                              "enablePrefixCaching": False, "extraArgs": ["--seed", "1"]},
-                   "autoscaling": {"minReplicas": 2, "maxReplicas": 6, "target": 0.75,
-                                   "metric": "kvCacheUsage", "mode": "hpa"}},
+    "image-path": {
+        "model": {"uri": "/opt/models/tiny", "servedName": "tiny"},
+        "replicas": 3,
+        "rollout": {"strategy": "Recreate"},
+        "env": [{"name": "A", "value": "1"}],
+    },
+    "pvc": {
+        "model": {"uri": "pvc://weights/llama/8b", "servedName": "llama"},
+        "apiKeySecretRef": {"name": "key"},
+        "scheduling": {
+            "nodeSelector": {"gpu": "l4"},
+            "priorityClassName": "serving",
+            "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": "zone", "operator": "In", "values": ["a"]}
+                                ]
+                            }
+                        ]
+                    }
+                }
+            },
+        },
+    },
+    "hf-gpu-hpa": {
+        "model": {"uri": "hf://meta-llama/Llama-3.1-8B", "servedName": "llama"},
+        "resources": {"limits": {"nvidia.com/gpu": 2, "memory": "48Gi"}},
+        "engine": {
+            "tensorParallelSize": 2,
+            "kvCacheMemory": "8Gi",
+            "enablePrefixCaching": False,
+            "extraArgs": ["--seed", "1"],
+        },
+        "autoscaling": {
+            "minReplicas": 2,
+            "maxReplicas": 6,
+            "target": 0.75,
+            "metric": "kvCacheUsage",
+            "mode": "hpa",
+        },
+    },
 }
 
 
 def children_of(raw: dict[str, Any]) -> tuple[PagedLLMSpec, list[dict[str, Any]]]:
     spec = parse_spec(raw)
-    built = build_children(OWNER, spec, effective_replicas(spec),
-                           service_monitors_available=False)
+    built = build_children(OWNER, spec, effective_replicas(spec), service_monitors_available=False)
     return spec, list(built.wanted)
 
 
@@ -63,13 +90,19 @@ def test_which_children_exist() -> None:
     kinds = {name: sorted(c["kind"] for c in children_of(raw)[1]) for name, raw in SPECS.items()}
     assert kinds["demo"] == ["Deployment", "Service"]
     assert kinds["image-path"] == ["Deployment", "PodDisruptionBudget", "Service"]
-    assert kinds["hf-gpu-hpa"] == ["Deployment", "HorizontalPodAutoscaler",
-                                   "PodDisruptionBudget", "Service"]
+    assert kinds["hf-gpu-hpa"] == [
+        "Deployment",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "Service",
+    ]
     spec = parse_spec(SPECS["demo"])
     with_monitor = build_children(OWNER, spec, 1, service_monitors_available=True)
     assert [c["kind"] for c in with_monitor.wanted][-1] == "ServiceMonitor"
-    assert {r.kind for r in with_monitor.unwanted} == {"PodDisruptionBudget",
-                                                       "HorizontalPodAutoscaler"}
+    assert {r.kind for r in with_monitor.unwanted} == {
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+    }
 
 
 def test_serve_flags_follow_the_engine_spec() -> None:
@@ -99,10 +132,11 @@ def test_demo_model_has_no_model_flag_and_image_path_is_used_as_is() -> None:
 def test_pvc_model_is_mounted_read_only() -> None:
     pod = build_deployment(OWNER, parse_spec(SPECS["pvc"]), 1)["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights",
-                                                       "readOnly": True}} in pod["volumes"]
-    assert {"name": "model", "mountPath": "/models", "readOnly": True} in \
-        container["volumeMounts"]
+    assert {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "weights", "readOnly": True},
+    } in pod["volumes"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
     args = container["args"]
     assert args[args.index("--model") + 1] == "/models/llama/8b"
     assert pod["nodeSelector"] == {"gpu": "l4"} and pod["priorityClassName"] == "serving"

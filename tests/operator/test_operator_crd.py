@@ -20,9 +20,12 @@ SCHEMA = VERSION["schema"]["openAPIV3Schema"]
 
 
 def resource(name: str = "demo", **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "pagedllm.io/v1alpha1", "kind": "PagedLLM",
-            "metadata": {"name": name, "namespace": "default"},
-            "spec": {"model": {"servedName": "demo"}, **spec}}
+    return {
+        "apiVersion": "pagedllm.io/v1alpha1",
+        "kind": "PagedLLM",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"model": {"servedName": "demo"}, **spec},
+    }
 
 
 def errors(obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
@@ -33,16 +36,18 @@ def errors(obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
 def sample_pagedllms() -> list[dict[str, Any]]:
     found = []
     for path in sorted(SAMPLES.glob("*.yaml")):
-        found += [d for d in yaml.safe_load_all(path.read_text())
-                  if d and d.get("kind") == "PagedLLM"]
+        found += [
+            d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "PagedLLM"
+        ]
     return found
 
 
 def test_there_is_a_cpu_demo_and_a_gpu_sample() -> None:
     samples = sample_pagedllms()
     assert any("uri" not in s["spec"]["model"] for s in samples)
-    assert any("nvidia.com/gpu" in s["spec"].get("resources", {}).get("limits", {})
-               for s in samples)
+    assert any(
+        "nvidia.com/gpu" in s["spec"].get("resources", {}).get("limits", {}) for s in samples
+    )
 
 
 @pytest.mark.parametrize("sample", sample_pagedllms(), ids=lambda s: s["metadata"]["name"])
@@ -55,32 +60,46 @@ def test_samples_validate_and_parse(sample: dict[str, Any]) -> None:
 
 
 def test_operator_defaults_are_the_schema_defaults() -> None:
-    bare = resource(autoscaling={"maxReplicas": 2, "target": 4}, rollout={},
-                    apiKeySecretRef={"name": "key"})
+    bare = resource(
+        autoscaling={"maxReplicas": 2, "target": 4}, rollout={}, apiKeySecretRef={"name": "key"}
+    )
     defaulted = crd_validation.apply_defaults(SCHEMA, bare)
     assert defaulted["spec"]["engine"]["blockSize"] == 16
     assert parse_spec(defaulted["spec"]) == parse_spec(bare["spec"])
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    ({"autoscaling": {"minReplicas": 3, "maxReplicas": 2, "target": 1}},
-     "minReplicas must not exceed maxReplicas"),
-    ({"autoscaling": {"minReplicas": 0, "maxReplicas": 2, "target": 1, "mode": "hpa"}},
-     "mode hpa needs minReplicas >= 1"),
-    ({"autoscaling": {"maxReplicas": 2, "target": 2, "metric": "kvCacheUsage"}},
-     "kvCacheUsage target is a fraction"),
-    ({"replicas": 2, "autoscaling": {"maxReplicas": 2, "target": 1}},
-     "set either replicas or autoscaling, not both"),
-    ({"rollout": {"strategy": "Recreate", "maxSurge": 1}},
-     "maxSurge and maxUnavailable apply to RollingUpdate only"),
-    ({"model": {"servedName": "x", "uri": "s3://bucket/model"}}, "does not match"),
-    ({"model": {"servedName": "x", "uri": "hf://just-a-name"}}, "does not match"),
-    ({"model": {"uri": "/models/x"}}, "'servedName' is a required property"),
-    ({"engine": {"gpuMemoryUtilization": 1.5}}, "1.5"),
-    ({"engine": {"blockSize": 12}}, "12 is not one of"),
-    ({"replicas": -1}, "-1 is less than the minimum of 0"),
-    ({"resources": {"limits": {"memory": "lots"}}}, "does not match"),
-])
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            {"autoscaling": {"minReplicas": 3, "maxReplicas": 2, "target": 1}},
+            "minReplicas must not exceed maxReplicas",
+        ),
+        (
+            {"autoscaling": {"minReplicas": 0, "maxReplicas": 2, "target": 1, "mode": "hpa"}},
+            "mode hpa needs minReplicas >= 1",
+        ),
+        (
+            {"autoscaling": {"maxReplicas": 2, "target": 2, "metric": "kvCacheUsage"}},
+            "kvCacheUsage target is a fraction",
+        ),
+        (
+            {"replicas": 2, "autoscaling": {"maxReplicas": 2, "target": 1}},
+            "set either replicas or autoscaling, not both",
+        ),
+        (
+            {"rollout": {"strategy": "Recreate", "maxSurge": 1}},
+            "maxSurge and maxUnavailable apply to RollingUpdate only",
+        ),
+        ({"model": {"servedName": "x", "uri": "s3://bucket/model"}}, "does not match"),
+        ({"model": {"servedName": "x", "uri": "hf://just-a-name"}}, "does not match"),
+        ({"model": {"uri": "/models/x"}}, "'servedName' is a required property"),
+        ({"engine": {"gpuMemoryUtilization": 1.5}}, "1.5"),
+        ({"engine": {"blockSize": 12}}, "12 is not one of"),
+        ({"replicas": -1}, "-1 is less than the minimum of 0"),
+        ({"resources": {"limits": {"memory": "lots"}}}, "does not match"),
+    ],
+)
 def test_invalid_specs_are_rejected(spec: dict[str, Any], message: str) -> None:
     found = errors(resource(**spec))
     assert any(message in e for e in found), found
@@ -109,8 +128,10 @@ def test_the_autoscaler_may_write_replicas_through_scale_later() -> None:
 def test_scale_status_and_printer_columns() -> None:
     assert VERSION["subresources"]["status"] == {}
     assert VERSION["subresources"]["scale"] == {
-        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
-        "labelSelectorPath": ".status.selector"}
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
     columns = [c["name"] for c in VERSION["additionalPrinterColumns"] if not c.get("priority")]
     assert columns == ["Model", "Ready", "Replicas", "URL", "Age"]
     assert CRD["spec"]["names"]["shortNames"] == ["pllm"]
@@ -134,7 +155,11 @@ def _untyped(schema: dict[str, Any], path: str = "") -> list[str]:
 def test_schema_is_structural_and_described() -> None:
     assert _untyped(SCHEMA) == []
     spec = SCHEMA["properties"]["spec"]["properties"]
-    undocumented = [name for name, sub in spec.items()
-                    if "description" not in sub and sub.get("type") == "object"
-                    and name not in ("service", "scheduling")]
+    undocumented = [
+        name
+        for name, sub in spec.items()
+        if "description" not in sub
+        and sub.get("type") == "object"
+        and name not in ("service", "scheduling")
+    ]
     assert undocumented == []

@@ -8,17 +8,24 @@ from pagedllm.operator.autoscaler import AutoscalerState, decide, parse_promethe
 from pagedllm.operator.spec import AutoscalingSpec, Metric
 from pagedllm.operator.status import Observed, compute_status, conditions_for, pod_problems
 
-SCALING = AutoscalingSpec(min_replicas=1, max_replicas=8, target=4,
-                          metric=Metric.INFLIGHT_REQUESTS, scale_down_delay_seconds=60)
+SCALING = AutoscalingSpec(
+    min_replicas=1,
+    max_replicas=8,
+    target=4,
+    metric=Metric.INFLIGHT_REQUESTS,
+    scale_down_delay_seconds=60,
+)
 
 
-def run(steps: list[tuple[float, int, list[float]]], scaling: AutoscalingSpec = SCALING
-        ) -> list[int]:
+def run(
+    steps: list[tuple[float, int, list[float]]], scaling: AutoscalingSpec = SCALING
+) -> list[int]:
     """Feed (time, ready pods, per-pod load) observations, replicas following decisions."""
     state, current, decided = AutoscalerState(), 2, []
     for now, ready, load in steps:
-        decision, state = decide(state, current=current, ready=ready, per_pod=load,
-                                 scaling=scaling, now=now)
+        decision, state = decide(
+            state, current=current, ready=ready, per_pod=load, scaling=scaling, now=now
+        )
         current = decision.replicas
         decided.append(current)
     return decided
@@ -38,18 +45,19 @@ def test_bounds_hold() -> None:
 
 
 def test_scale_down_waits_for_the_delay_and_takes_the_window_peak() -> None:
-    steps = [(0, 2, [20, 20]),        # up to 10 -> capped at 8
-             (10, 8, [4, 4, 4, 4, 4, 4, 4, 4]),
-             (30, 8, [1] * 8),        # wants 2, but the last 60 s held 8
-             (69, 8, [1] * 8),        # 8 was recommended at t=10: still inside
-             (71, 8, [1] * 8)]        # window now only has 2s
+    steps = [
+        (0, 2, [20, 20]),  # up to 10 -> capped at 8
+        (10, 8, [4, 4, 4, 4, 4, 4, 4, 4]),
+        (30, 8, [1] * 8),  # wants 2, but the last 60 s held 8
+        (69, 8, [1] * 8),  # 8 was recommended at t=10: still inside
+        (71, 8, [1] * 8),
+    ]  # window now only has 2s
     assert run(steps) == [8, 8, 8, 8, 2]
 
 
 def test_no_scale_down_before_a_full_window_was_observed() -> None:
     # A fresh operator (restarted) sees low load: it must watch a whole window first.
-    assert run([(0, 2, [0, 0]), (30, 2, [0, 0]), (59, 2, [0, 0]), (60, 2, [0, 0])]) == \
-        [2, 2, 2, 1]
+    assert run([(0, 2, [0, 0]), (30, 2, [0, 0]), (59, 2, [0, 0]), (60, 2, [0, 0])]) == [2, 2, 2, 1]
 
 
 def test_pods_still_starting_do_not_count_as_idle() -> None:
@@ -80,9 +88,16 @@ def test_prometheus_text() -> None:
 
 
 def deployment(replicas: int, ready: int, updated: int, **extra: Any) -> dict[str, Any]:
-    return {"metadata": {"generation": 1}, "status": {
-        "observedGeneration": 1, "replicas": replicas, "readyReplicas": ready,
-        "updatedReplicas": updated, **extra}}
+    return {
+        "metadata": {"generation": 1},
+        "status": {
+            "observedGeneration": 1,
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": updated,
+            **extra,
+        },
+    }
 
 
 def reasons(desired: int, observed: Observed, error: str | None = None) -> dict[str, str]:
@@ -91,8 +106,10 @@ def reasons(desired: int, observed: Observed, error: str | None = None) -> dict[
 
 def test_conditions_through_a_rollout() -> None:
     assert reasons(2, Observed(None, [])) == {
-        "Ready": "False/ReplicasNotReady", "Progressing": "True/ScalingUp",
-        "Degraded": "False/AsExpected"}
+        "Ready": "False/ReplicasNotReady",
+        "Progressing": "True/ScalingUp",
+        "Degraded": "False/AsExpected",
+    }
     assert reasons(2, Observed(deployment(3, 2, 1), []))["Progressing"] == "True/RollingUpdate"
     assert reasons(2, Observed(deployment(3, 2, 1), []))["Ready"] == "True/AllReplicasReady"
     assert reasons(2, Observed(deployment(2, 2, 2), []))["Progressing"] == "False/Complete"
@@ -101,22 +118,56 @@ def test_conditions_through_a_rollout() -> None:
     assert reasons(2, Observed(unseen, []))["Progressing"] == "True/RollingUpdate"
     assert reasons(0, Observed(deployment(0, 0, 0), []))["Ready"] == "False/ScaledToZero"
     assert reasons(1, Observed(None, []), "bad")["Degraded"] == "True/InvalidSpec"
-    stuck = deployment(1, 0, 1, conditions=[{"type": "Progressing", "status": "False",
-                                             "reason": "ProgressDeadlineExceeded",
-                                             "message": "timed out"}])
+    stuck = deployment(
+        1,
+        0,
+        1,
+        conditions=[
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": "timed out",
+            }
+        ],
+    )
     assert reasons(1, Observed(stuck, []))["Degraded"] == "True/ProgressDeadlineExceeded"
 
 
 def test_pod_problems() -> None:
     pods = [
-        {"metadata": {"name": "a"}, "status": {"initContainerStatuses": [
-            {"name": "download", "state": {"waiting": {"reason": "ImagePullBackOff",
-                                                       "message": "pull access denied"}}}]}},
-        {"metadata": {"name": "b", "deletionTimestamp": "2026-01-01T00:00:00Z"},
-         "status": {"containerStatuses": [{"name": "x", "state": {"waiting": {
-             "reason": "CrashLoopBackOff"}}}]}},
-        {"metadata": {"name": "c"}, "status": {"containerStatuses": [
-            {"name": "x", "state": {"waiting": {"reason": "ContainerCreating"}}}]}},
+        {
+            "metadata": {"name": "a"},
+            "status": {
+                "initContainerStatuses": [
+                    {
+                        "name": "download",
+                        "state": {
+                            "waiting": {
+                                "reason": "ImagePullBackOff",
+                                "message": "pull access denied",
+                            }
+                        },
+                    }
+                ]
+            },
+        },
+        {
+            "metadata": {"name": "b", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+            "status": {
+                "containerStatuses": [
+                    {"name": "x", "state": {"waiting": {"reason": "CrashLoopBackOff"}}}
+                ]
+            },
+        },
+        {
+            "metadata": {"name": "c"},
+            "status": {
+                "containerStatuses": [
+                    {"name": "x", "state": {"waiting": {"reason": "ContainerCreating"}}}
+                ]
+            },
+        },
     ]
     (problem,) = pod_problems(pods)
     assert problem.pod == "a" and problem.reason == "ImagePullBackOff"
@@ -125,14 +176,22 @@ def test_pod_problems() -> None:
 
 def test_transition_times_move_only_with_status() -> None:
     def status(ready: int, previous: dict[str, Any], now: str) -> dict[str, Any]:
-        return compute_status(generation=3, desired=1, url="u", selector="s",
-                              observed=Observed(deployment(1, ready, 1), []),
-                              previous=previous, now=now)
+        return compute_status(
+            generation=3,
+            desired=1,
+            url="u",
+            selector="s",
+            observed=Observed(deployment(1, ready, 1), []),
+            previous=previous,
+            now=now,
+        )
 
     first = status(0, {}, "T1")
     second = status(0, first, "T2")
     third = status(1, second, "T3")
-    ready_times = [next(c["lastTransitionTime"] for c in s["conditions"] if c["type"] == "Ready")
-                   for s in (first, second, third)]
+    ready_times = [
+        next(c["lastTransitionTime"] for c in s["conditions"] if c["type"] == "Ready")
+        for s in (first, second, third)
+    ]
     assert ready_times == ["T1", "T1", "T3"]
     assert third["observedGeneration"] == 3

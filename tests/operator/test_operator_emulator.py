@@ -19,11 +19,19 @@ DEPLOYMENTS = "/apis/apps/v1/namespaces/default/deployments"
 
 
 def deployment(name: str, **labels: str) -> dict[str, Any]:
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": name, "labels": labels},
-            "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}},
-                     "template": {"metadata": {"labels": {"app": name}},
-                                  "spec": {"containers": [{"name": "c", "image": "i"}]}}}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {"containers": [{"name": "c", "image": "i"}]},
+            },
+        },
+    }
 
 
 def test_server_fields_and_errors(kube: Kube) -> None:
@@ -46,8 +54,10 @@ def test_server_fields_and_errors(kube: Kube) -> None:
         kube.request("PUT", f"{DEPLOYMENTS}/web", stale)
     assert (conflict.value.status, conflict.value.body["reason"]) == (409, "Conflict")
 
-    failed_test = [{"op": "test", "path": "/metadata/resourceVersion", "value": "0"},
-                   {"op": "add", "path": "/metadata/finalizers", "value": ["x/y"]}]
+    failed_test = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": "0"},
+        {"op": "add", "path": "/metadata/finalizers", "value": ["x/y"]},
+    ]
     with pytest.raises(KubeError) as invalid:
         kube.request("PATCH", f"{DEPLOYMENTS}/web", failed_test, "application/json-patch+json")
     assert invalid.value.status == 422
@@ -58,8 +68,10 @@ def test_generation_moves_with_spec_only(kube: Kube) -> None:
     kube.create(DEPLOYMENTS, deployment("gen"))
     path = f"{DEPLOYMENTS}/gen"
     assert kube.merge(path, {"metadata": {"labels": {"a": "b"}}})["metadata"]["generation"] == 1
-    assert kube.merge(path + "/status", {"status": {"readyReplicas": 1}})["metadata"][
-        "generation"] == 1
+    assert (
+        kube.merge(path + "/status", {"status": {"readyReplicas": 1}})["metadata"]["generation"]
+        == 1
+    )
     assert kube.merge(path, {"status": {"readyReplicas": 9}})["status"]["readyReplicas"] == 1
     assert kube.merge(path, {"spec": {"replicas": 4}})["metadata"]["generation"] == 2
     same = kube.get(path)
@@ -69,8 +81,14 @@ def test_generation_moves_with_spec_only(kube: Kube) -> None:
 
 def test_server_side_apply_drops_what_the_manager_stopped_setting(kube: Kube) -> None:
     def apply(body: dict[str, Any]) -> dict[str, Any]:
-        return kube.request("PATCH", f"{DEPLOYMENTS}/applied", body,
-                            "application/apply-patch+yaml", fieldManager="me", force="true")
+        return kube.request(
+            "PATCH",
+            f"{DEPLOYMENTS}/applied",
+            body,
+            "application/apply-patch+yaml",
+            fieldManager="me",
+            force="true",
+        )
 
     first = deployment("applied")
     first["spec"]["template"]["spec"]["nodeSelector"] = {"gpu": "yes"}
@@ -94,23 +112,40 @@ def test_list_then_watch_from_a_resource_version_with_selectors(kube: Kube) -> N
     kube.merge(f"{DEPLOYMENTS}/w1", {"metadata": {"labels": {"team": "b"}}})
 
     events: list[dict[str, Any]] = []
-    with kube.http.stream("GET", DEPLOYMENTS, params={
-            "watch": "true", "resourceVersion": since, "labelSelector": "team=a",
-            "timeoutSeconds": "2"}) as response:
+    with kube.http.stream(
+        "GET",
+        DEPLOYMENTS,
+        params={
+            "watch": "true",
+            "resourceVersion": since,
+            "labelSelector": "team=a",
+            "timeoutSeconds": "2",
+        },
+    ) as response:
         assert response.headers["content-type"].startswith("application/json")
         for line in response.iter_lines():
             events.append(json.loads(line))
-    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == \
-        [("ADDED", "w2"), ("DELETED", "w1")]
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [
+        ("ADDED", "w2"),
+        ("DELETED", "w1"),
+    ]
     assert all(e["object"]["kind"] == "Deployment" for e in events)
 
 
 def test_initial_events_end_with_a_bookmark(kube: Kube) -> None:
     kube.create(DEPLOYMENTS, deployment("init", team="i"))
-    with kube.http.stream("GET", DEPLOYMENTS, params={
-            "watch": "1", "sendInitialEvents": "true", "allowWatchBookmarks": "true",
-            "resourceVersionMatch": "NotOlderThan", "labelSelector": "team=i",
-            "timeoutSeconds": "1"}) as response:
+    with kube.http.stream(
+        "GET",
+        DEPLOYMENTS,
+        params={
+            "watch": "1",
+            "sendInitialEvents": "true",
+            "allowWatchBookmarks": "true",
+            "resourceVersionMatch": "NotOlderThan",
+            "labelSelector": "team=i",
+            "timeoutSeconds": "1",
+        },
+    ) as response:
         events = [json.loads(line) for line in response.iter_lines()]
     assert events[0]["type"] == "ADDED"
     assert events[1]["type"] == "BOOKMARK"
@@ -119,17 +154,34 @@ def test_initial_events_end_with_a_bookmark(kube: Kube) -> None:
 
 def test_live_watch_and_garbage_collection(kube: Kube) -> None:
     owner = kube.create(DEPLOYMENTS, deployment("owner"))
-    child = {"metadata": {"name": "owned", "ownerReferences": [{
-        "apiVersion": "apps/v1", "kind": "Deployment", "name": "owner",
-        "uid": owner["metadata"]["uid"]}]}, "data": {"k": "v"}}
+    child = {
+        "metadata": {
+            "name": "owned",
+            "ownerReferences": [
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "name": "owner",
+                    "uid": owner["metadata"]["uid"],
+                }
+            ],
+        },
+        "data": {"k": "v"},
+    }
     kube.create("/api/v1/namespaces/default/configmaps", child)
     seen: list[tuple[str, str]] = []
 
     def watch() -> None:
-        with kube.http.stream("GET", "/api/v1/namespaces/default/configmaps", params={
-                "watch": "true", "fieldSelector": "metadata.name=owned",
+        with kube.http.stream(
+            "GET",
+            "/api/v1/namespaces/default/configmaps",
+            params={
+                "watch": "true",
+                "fieldSelector": "metadata.name=owned",
                 "resourceVersion": owner["metadata"]["resourceVersion"],
-                "timeoutSeconds": "3"}) as response:
+                "timeoutSeconds": "3",
+            },
+        ) as response:
             for line in response.iter_lines():
                 event = json.loads(line)
                 seen.append((event["type"], event["object"]["metadata"]["name"]))
@@ -148,51 +200,90 @@ def test_a_dependent_created_after_its_owner_is_gone_is_collected(kube: Kube) ->
     garbage collector then removes, as on a cluster."""
     owner = kube.create(DEPLOYMENTS, deployment("short-lived"))
     kube.delete(f"{DEPLOYMENTS}/short-lived")
-    late = {"metadata": {"name": "late", "ownerReferences": [{
-        "apiVersion": "apps/v1", "kind": "Deployment", "name": "short-lived",
-        "uid": owner["metadata"]["uid"]}]}, "data": {"k": "v"}}
+    late = {
+        "metadata": {
+            "name": "late",
+            "ownerReferences": [
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "name": "short-lived",
+                    "uid": owner["metadata"]["uid"],
+                }
+            ],
+        },
+        "data": {"k": "v"},
+    }
     kube.create("/api/v1/namespaces/default/configmaps", late)
-    eventually(lambda: kube.get("/api/v1/namespaces/default/configmaps/late") is None,
-               what="the dangling dependent to be collected")
-    kube.create("/api/v1/namespaces/default/configmaps",
-                {"metadata": {"name": "unowned"}, "data": {"k": "v"}})
+    eventually(
+        lambda: kube.get("/api/v1/namespaces/default/configmaps/late") is None,
+        what="the dangling dependent to be collected",
+    )
+    kube.create(
+        "/api/v1/namespaces/default/configmaps",
+        {"metadata": {"name": "unowned"}, "data": {"k": "v"}},
+    )
     live = kube.create(DEPLOYMENTS, deployment("live-owner"))
-    kube.create("/api/v1/namespaces/default/configmaps", {**late, "metadata": {
-        "name": "kept", "ownerReferences": [{**late["metadata"]["ownerReferences"][0],
-                                             "name": "live-owner",
-                                             "uid": live["metadata"]["uid"]}]}})
+    kube.create(
+        "/api/v1/namespaces/default/configmaps",
+        {
+            **late,
+            "metadata": {
+                "name": "kept",
+                "ownerReferences": [
+                    {
+                        **late["metadata"]["ownerReferences"][0],
+                        "name": "live-owner",
+                        "uid": live["metadata"]["uid"],
+                    }
+                ],
+            },
+        },
+    )
     time.sleep(0.5)
     assert kube.get("/api/v1/namespaces/default/configmaps/unowned") is not None
     assert kube.get("/api/v1/namespaces/default/configmaps/kept") is not None
 
 
 def test_finalizers_hold_deletion(kube: Kube) -> None:
-    kube.create(DEPLOYMENTS, {**deployment("final"),
-                              "metadata": {"name": "final", "finalizers": ["x.io/keep"]}})
+    kube.create(
+        DEPLOYMENTS,
+        {**deployment("final"), "metadata": {"name": "final", "finalizers": ["x.io/keep"]}},
+    )
     kube.delete(f"{DEPLOYMENTS}/final")
     marked = kube.get(f"{DEPLOYMENTS}/final")
     assert marked["metadata"]["deletionTimestamp"]
-    kube.request("PATCH", f"{DEPLOYMENTS}/final",
-                 [{"op": "test", "path": "/metadata/finalizers", "value": ["x.io/keep"]},
-                  {"op": "remove", "path": "/metadata/finalizers"}],
-                 "application/json-patch+json")
+    kube.request(
+        "PATCH",
+        f"{DEPLOYMENTS}/final",
+        [
+            {"op": "test", "path": "/metadata/finalizers", "value": ["x.io/keep"]},
+            {"op": "remove", "path": "/metadata/finalizers"},
+        ],
+        "application/json-patch+json",
+    )
     assert kube.get(f"{DEPLOYMENTS}/final") is None
 
 
 def test_custom_resources_get_defaults_scale_and_validation(kube: Kube) -> None:
     kube.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", load_crd())
     resources = kube.get("/apis/pagedllm.io/v1alpha1")["resources"]
-    assert {"name": "pagedllms/scale", "group": "autoscaling", "version": "v1",
-            "kind": "Scale"}.items() <= next(r for r in resources
-                                             if r["name"] == "pagedllms/scale").items()
+    assert {
+        "name": "pagedllms/scale",
+        "group": "autoscaling",
+        "version": "v1",
+        "kind": "Scale",
+    }.items() <= next(r for r in resources if r["name"] == "pagedllms/scale").items()
     path = "/apis/pagedllm.io/v1alpha1/namespaces/default/pagedllms"
-    created = kube.create(path, pagedllm("cr", {"model": {"servedName": "x"},
-                                                "unknownField": 1}))
+    created = kube.create(path, pagedllm("cr", {"model": {"servedName": "x"}, "unknownField": 1}))
     assert created["spec"]["engine"]["blockSize"] == 16 and "unknownField" not in created["spec"]
     with pytest.raises(KubeError) as strict:
-        kube.request("POST", path, pagedllm("strict", {"model": {"servedName": "x"},
-                                                       "unknownField": 1}),
-                     fieldValidation="Strict")
+        kube.request(
+            "POST",
+            path,
+            pagedllm("strict", {"model": {"servedName": "x"}, "unknownField": 1}),
+            fieldValidation="Strict",
+        )
     assert strict.value.status == 400
     with pytest.raises(KubeError) as invalid:
         kube.create(path, pagedllm("Bad-Name", {"model": {"servedName": "x"}}))
@@ -201,10 +292,16 @@ def test_custom_resources_get_defaults_scale_and_validation(kube: Kube) -> None:
     scale = kube.merge(f"{path}/cr/scale", {"spec": {"replicas": 2}})
     assert scale["spec"]["replicas"] == 2
     assert kube.get(f"{path}/cr")["spec"]["replicas"] == 2
-    table = kube.http.get(path, headers={
-        "Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"}).json()
+    table = kube.http.get(
+        path, headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"}
+    ).json()
     assert [c["name"] for c in table["columnDefinitions"]][:5] == [
-        "Name", "Model", "Ready", "Replicas", "URL"]
+        "Name",
+        "Model",
+        "Ready",
+        "Replicas",
+        "URL",
+    ]
 
 
 def test_runs_standalone_with_a_kubeconfig(tmp_path: Any) -> None:
@@ -212,9 +309,20 @@ def test_runs_standalone_with_a_kubeconfig(tmp_path: Any) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     kubeconfig = tmp_path / "config"
-    server = subprocess.Popen([sys.executable, "-m", "e2e.kube_emulator", "--port",
-                               str(port), "--kubeconfig", str(kubeconfig)], cwd=E2E.parent,
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "e2e.kube_emulator",
+            "--port",
+            str(port),
+            "--kubeconfig",
+            str(kubeconfig),
+        ],
+        cwd=E2E.parent,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout is not None
         assert f"listening on http://127.0.0.1:{port}" in server.stdout.readline()

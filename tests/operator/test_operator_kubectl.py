@@ -26,9 +26,13 @@ def kubectl(kubeconfig: Path, namespace: str) -> Kubectl:
         pytest.fail("kubectl is not on PATH; this suite needs the real kubectl")
 
     def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run([KUBECTL, "--namespace", namespace, *args], text=True,
-                                capture_output=True, timeout=60,
-                                env={**os.environ, "KUBECONFIG": str(kubeconfig)})
+        result = subprocess.run(
+            [KUBECTL, "--namespace", namespace, *args],
+            text=True,
+            capture_output=True,
+            timeout=60,
+            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+        )
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed:\n{result.stderr}")
         return result
@@ -39,39 +43,60 @@ def kubectl(kubeconfig: Path, namespace: str) -> Kubectl:
 def test_apply_get_scale_wait_delete(kubectl: Kubectl, kube: Kube, namespace: str) -> None:
     assert "created" in kubectl("apply", "-f", str(CRD_PATH)).stdout
     kubectl("wait", "--for=condition=Established", "crd/pagedllms.pagedllm.io", "--timeout=10s")
-    assert "pagedllm.pagedllm.io/demo created" in kubectl(
-        "apply", "-f", str(SAMPLES / "demo-cpu.yaml")).stdout
+    assert (
+        "pagedllm.pagedllm.io/demo created"
+        in kubectl("apply", "-f", str(SAMPLES / "demo-cpu.yaml")).stdout
+    )
 
     deployment = f"/apis/apps/v1/namespaces/{namespace}/deployments/demo"
     eventually(lambda: kube.get(deployment), timeout=15, what="the operator's Deployment")
-    table = eventually(lambda: (out := kubectl("get", "pllm").stdout) and "http://" in out and out,
-                       what="the URL column")
+    table = eventually(
+        lambda: (out := kubectl("get", "pllm").stdout) and "http://" in out and out,
+        what="the URL column",
+    )
     header, row = table.splitlines()[:2]
     assert header.split() == ["NAME", "MODEL", "READY", "REPLICAS", "URL", "AGE"]
     assert row.split()[:5] == ["demo", "demo", "0", "1", f"http://demo.{namespace}.svc:80"]
 
     assert "scaled" in kubectl("scale", "pllm/demo", "--replicas=3").stdout
-    eventually(lambda: kube.get(deployment)["spec"]["replicas"] == 3,
-               what="the Deployment to follow kubectl scale")
+    eventually(
+        lambda: kube.get(deployment)["spec"]["replicas"] == 3,
+        what="the Deployment to follow kubectl scale",
+    )
 
     # What the Deployment controller would report once the pods pass readiness.
     live = kube.get(deployment)
-    kube.merge(deployment + "/status", {"status": {
-        "observedGeneration": live["metadata"]["generation"], "replicas": 3,
-        "updatedReplicas": 3, "readyReplicas": 3, "availableReplicas": 3}})
+    kube.merge(
+        deployment + "/status",
+        {
+            "status": {
+                "observedGeneration": live["metadata"]["generation"],
+                "replicas": 3,
+                "updatedReplicas": 3,
+                "readyReplicas": 3,
+                "availableReplicas": 3,
+            }
+        },
+    )
     kubectl("wait", "--for=condition=Ready", "pllm/demo", "--timeout=20s")
 
-    kubectl("patch", "pllm", "demo", "--type=merge", "-p",
-            '{"spec":{"engine":{"maxNumSeqs":8}}}')
+    kubectl("patch", "pllm", "demo", "--type=merge", "-p", '{"spec":{"engine":{"maxNumSeqs":8}}}')
+
     def max_num_seqs() -> str:
         args = kube.get(deployment)["spec"]["template"]["spec"]["containers"][0]["args"]
         return args[args.index("--max-num-seqs") + 1]
 
     eventually(lambda: max_num_seqs() == "8", what="the patched engine flag")
 
-    rejected = kubectl("patch", "pllm", "demo", "--type=merge", "-p",
-                       '{"spec":{"replicas":null,"autoscaling":{"minReplicas":3,'
-                       '"maxReplicas":2,"target":4}}}', check=False)
+    rejected = kubectl(
+        "patch",
+        "pllm",
+        "demo",
+        "--type=merge",
+        "-p",
+        '{"spec":{"replicas":null,"autoscaling":{"minReplicas":3,"maxReplicas":2,"target":4}}}',
+        check=False,
+    )
     assert rejected.returncode != 0
     assert "minReplicas must not exceed maxReplicas" in rejected.stderr
 

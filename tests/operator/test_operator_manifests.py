@@ -13,18 +13,22 @@ import yaml
 from tests.operator.operator_harness import REPO
 
 # Every call the operator and kopf make, as (apiGroup, resource, verb).
-NEEDED = {
-    ("pagedllm.io", "pagedllms", verb) for verb in ("get", "list", "watch", "patch")
-} | {
-    ("pagedllm.io", "pagedllms/status", "patch"), ("pagedllm.io", "pagedllms/scale", "patch"),
+NEEDED = {("pagedllm.io", "pagedllms", verb) for verb in ("get", "list", "watch", "patch")} | {
+    ("pagedllm.io", "pagedllms/status", "patch"),
+    ("pagedllm.io", "pagedllms/scale", "patch"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "get"),
-    ("apps", "deployments", "create"), ("apps", "deployments", "patch"),
-    ("apps", "deployments", "watch"), ("", "services", "patch"), ("", "services", "watch"),
-    ("policy", "poddisruptionbudgets", "delete"), ("autoscaling", "horizontalpodautoscalers",
-                                                   "patch"),
-    ("", "pods", "list"), ("", "persistentvolumeclaims", "get"), ("", "events", "create"),
+    ("apps", "deployments", "create"),
+    ("apps", "deployments", "patch"),
+    ("apps", "deployments", "watch"),
+    ("", "services", "patch"),
+    ("", "services", "watch"),
+    ("policy", "poddisruptionbudgets", "delete"),
+    ("autoscaling", "horizontalpodautoscalers", "patch"),
+    ("", "pods", "list"),
+    ("", "persistentvolumeclaims", "get"),
+    ("", "events", "create"),
 }
 
 
@@ -33,8 +37,9 @@ def rendered() -> list[dict[str, Any]]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.fail("kubectl is not on PATH; this suite needs kubectl's kustomize")
-    result = subprocess.run([kubectl, "kustomize", str(REPO / "manifests")], text=True,
-                            capture_output=True, timeout=60)
+    result = subprocess.run(
+        [kubectl, "kustomize", str(REPO / "manifests")], text=True, capture_output=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     return [d for d in yaml.safe_load_all(result.stdout) if d]
 
@@ -45,13 +50,25 @@ def by_kind(documents: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 
 
 def test_renders_the_whole_install(rendered: list[dict[str, Any]]) -> None:
-    assert sorted(d["kind"] for d in rendered) == sorted([
-        "Namespace", "CustomResourceDefinition", "ServiceAccount", "ClusterRole",
-        "ClusterRoleBinding", "Deployment"])
+    assert sorted(d["kind"] for d in rendered) == sorted(
+        [
+            "Namespace",
+            "CustomResourceDefinition",
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Deployment",
+        ]
+    )
     binding = by_kind(rendered, "ClusterRoleBinding")
     account = by_kind(rendered, "ServiceAccount")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
-                                    "namespace": account["metadata"]["namespace"]}]
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": account["metadata"]["name"],
+            "namespace": account["metadata"]["namespace"],
+        }
+    ]
 
 
 def test_rbac_has_no_wildcards_and_covers_every_call(rendered: list[dict[str, Any]]) -> None:
@@ -61,8 +78,9 @@ def test_rbac_has_no_wildcards_and_covers_every_call(rendered: list[dict[str, An
         for field in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[field], rule
         assert "nonResourceURLs" not in rule and "resourceNames" not in rule
-        granted |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"]
-                    for v in rule["verbs"]}
+        granted |= {
+            (g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+        }
     assert NEEDED - granted == set()
     assert not any(r == "secrets" for _, r, _ in granted)
 
@@ -80,13 +98,20 @@ def test_operator_deployment(rendered: list[dict[str, Any]]) -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     security = container["securityContext"]
-    assert security == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                        "capabilities": {"drop": ["ALL"]}}
+    assert security == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
 
 
 def test_samples_render_as_a_kustomization() -> None:
-    result = subprocess.run(["kubectl", "kustomize", str(REPO / "manifests" / "samples")],
-                            text=True, capture_output=True, timeout=60)
+    result = subprocess.run(
+        ["kubectl", "kustomize", str(REPO / "manifests" / "samples")],
+        text=True,
+        capture_output=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(result.stdout) if d]
     assert kinds.count("PagedLLM") == 2

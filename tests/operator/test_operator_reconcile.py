@@ -44,34 +44,54 @@ def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
 
 
 def events_for(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]:
-    return [e for e in kube.list(f"/api/v1/namespaces/{namespace}/events")
-            if e["involvedObject"]["name"] == name]
+    return [
+        e
+        for e in kube.list(f"/api/v1/namespaces/{namespace}/events")
+        if e["involvedObject"]["name"] == name
+    ]
 
 
 def mark_deployment_ready(kube: Kube, namespace: str, name: str, ready: int) -> None:
     """What the Deployment controller reports once `ready` pods pass their readiness probe."""
     live = kube.get(deployment_path(namespace, name))
     replicas = live["spec"]["replicas"]
-    kube.merge(deployment_path(namespace, name) + "/status", {"status": {
-        "observedGeneration": live["metadata"]["generation"],
-        "replicas": replicas, "updatedReplicas": replicas, "readyReplicas": ready,
-        "availableReplicas": ready}})
+    kube.merge(
+        deployment_path(namespace, name) + "/status",
+        {
+            "status": {
+                "observedGeneration": live["metadata"]["generation"],
+                "replicas": replicas,
+                "updatedReplicas": replicas,
+                "readyReplicas": ready,
+                "availableReplicas": ready,
+            }
+        },
+    )
 
 
 def test_create_builds_owned_children_with_the_expected_pod(kube: Kube, namespace: str) -> None:
-    kube.create(f"/api/v1/namespaces/{namespace}/secrets",
-                {"metadata": {"name": "llm-key"}, "stringData": {"api-key": "s3cret"}})
-    created = kube.create(pllm_path(namespace), pagedllm("llama", {
-        "model": {"uri": "hf://meta-llama/Llama-3.2-1B-Instruct", "servedName": "llama"},
-        "replicas": 2,
-        "resources": {"limits": {"nvidia.com/gpu": 1}},
-        "engine": {"maxModelLen": 4096, "kvCacheMemory": "2Gi"},
-        "apiKeySecretRef": {"name": "llm-key"},
-    }))
+    kube.create(
+        f"/api/v1/namespaces/{namespace}/secrets",
+        {"metadata": {"name": "llm-key"}, "stringData": {"api-key": "s3cret"}},
+    )
+    created = kube.create(
+        pllm_path(namespace),
+        pagedllm(
+            "llama",
+            {
+                "model": {"uri": "hf://meta-llama/Llama-3.2-1B-Instruct", "servedName": "llama"},
+                "replicas": 2,
+                "resources": {"limits": {"nvidia.com/gpu": 1}},
+                "engine": {"maxModelLen": 4096, "kvCacheMemory": "2Gi"},
+                "apiKeySecretRef": {"name": "llm-key"},
+            },
+        ),
+    )
     uid = created["metadata"]["uid"]
 
-    deployment = eventually(lambda: kube.get(deployment_path(namespace, "llama")),
-                            what="the Deployment")
+    deployment = eventually(
+        lambda: kube.get(deployment_path(namespace, "llama")), what="the Deployment"
+    )
     service = eventually(lambda: kube.get(service_path(namespace, "llama")), what="the Service")
     pdb = eventually(lambda: kube.get(pdb_path(namespace, "llama")), what="the PDB")
     for child in (deployment, service, pdb):
@@ -90,11 +110,15 @@ def test_create_builds_owned_children_with_the_expected_pod(kube: Kube, namespac
     assert "--enable-prefix-caching" in args
     (download,) = pod["initContainers"]
     assert download["command"] == ["pagedllm", "download"]
-    assert download["args"] == ["hf://meta-llama/Llama-3.2-1B-Instruct",
-                                "/models/meta-llama/Llama-3.2-1B-Instruct"]
+    assert download["args"] == [
+        "hf://meta-llama/Llama-3.2-1B-Instruct",
+        "/models/meta-llama/Llama-3.2-1B-Instruct",
+    ]
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert container["startupProbe"]["failureThreshold"] * \
-        container["startupProbe"]["periodSeconds"] >= 1800
+    assert (
+        container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"]
+        >= 1800
+    )
     assert container["lifecycle"]["preStop"]
     assert pod["terminationGracePeriodSeconds"] > 60
     security = container["securityContext"]
@@ -108,20 +132,26 @@ def test_create_builds_owned_children_with_the_expected_pod(kube: Kube, namespac
     assert api_key["valueFrom"]["secretKeyRef"] == {"name": "llm-key", "key": "api-key"}
     cpus = next(e for e in container["env"] if e["name"] == "PAGEDLLM_CPUS")
     assert cpus["valueFrom"]["resourceFieldRef"] == {
-        "containerName": container["name"], "resource": "requests.cpu", "divisor": "1"}
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} \
-        in pod["tolerations"]
+        "containerName": container["name"],
+        "resource": "requests.cpu",
+        "divisor": "1",
+    }
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
 
     assert service["spec"]["ports"][0]["name"] == "http"
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
-    status = eventually(lambda: kube.get(pllm_path(namespace, "llama")).get("status"),
-                        what="status")
+    status = eventually(
+        lambda: kube.get(pllm_path(namespace, "llama")).get("status"), what="status"
+    )
     assert status["url"] == f"http://llama.{namespace}.svc:80"
     assert status["selector"] == "app.kubernetes.io/name=pagedllm,pagedllm.io/instance=llama"
 
 
-def test_spec_change_updates_the_template_and_observed_generation(kube: Kube,
-                                                                   namespace: str) -> None:
+def test_spec_change_updates_the_template_and_observed_generation(
+    kube: Kube, namespace: str
+) -> None:
     kube.create(pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"}}))
     eventually(lambda: kube.get(deployment_path(namespace, "demo")), what="the Deployment")
     eventually(lambda: condition(kube.get(pllm_path(namespace, "demo")), "Ready"))
@@ -131,12 +161,15 @@ def test_spec_change_updates_the_template_and_observed_generation(kube: Kube,
 
     def template_updated() -> bool:
         args = kube.get(deployment_path(namespace, "demo"))["spec"]["template"]["spec"][
-            "containers"][0]["args"]
+            "containers"
+        ][0]["args"]
         return args[args.index("--max-num-seqs") + 1] == "7"
 
     eventually(template_updated, what="the new --max-num-seqs in the pod template")
-    eventually(lambda: kube.get(pllm_path(namespace, "demo"))["status"].get(
-        "observedGeneration") == 2, what="observedGeneration 2")
+    eventually(
+        lambda: kube.get(pllm_path(namespace, "demo"))["status"].get("observedGeneration") == 2,
+        what="observedGeneration 2",
+    )
 
 
 def test_children_deleted_by_hand_come_back(kube: Kube, namespace: str) -> None:
@@ -147,27 +180,40 @@ def test_children_deleted_by_hand_come_back(kube: Kube, namespace: str) -> None:
     kube.delete(deployment_path(namespace, "demo"))
     kube.delete(service_path(namespace, "demo"))
 
-    again = eventually(lambda: kube.get(deployment_path(namespace, "demo")),
-                       what="the Deployment to be recreated")
+    again = eventually(
+        lambda: kube.get(deployment_path(namespace, "demo")), what="the Deployment to be recreated"
+    )
     assert again["metadata"]["uid"] != first["metadata"]["uid"]
-    eventually(lambda: kube.get(service_path(namespace, "demo")),
-               what="the Service to be recreated")
+    eventually(
+        lambda: kube.get(service_path(namespace, "demo")), what="the Service to be recreated"
+    )
 
 
-def test_readiness_flows_from_deployment_to_the_ready_condition(kube: Kube,
-                                                                 namespace: str) -> None:
-    kube.create(pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"},
-                                                        "replicas": 2}))
+def test_readiness_flows_from_deployment_to_the_ready_condition(kube: Kube, namespace: str) -> None:
+    kube.create(
+        pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"}, "replicas": 2})
+    )
     eventually(lambda: kube.get(deployment_path(namespace, "demo")))
     not_ready = eventually(lambda: condition(kube.get(pllm_path(namespace, "demo")), "Ready"))
     assert not_ready["status"] == "False"
 
     mark_deployment_ready(kube, namespace, "demo", ready=1)
-    eventually(lambda: condition(kube.get(pllm_path(namespace, "demo")), "Ready").get(
-        "message") == "1/2 replicas ready", what="1/2 ready")
+    eventually(
+        lambda: (
+            condition(kube.get(pllm_path(namespace, "demo")), "Ready").get("message")
+            == "1/2 replicas ready"
+        ),
+        what="1/2 ready",
+    )
     mark_deployment_ready(kube, namespace, "demo", ready=2)
-    ready = eventually(lambda: (c := condition(kube.get(pllm_path(namespace, "demo")), "Ready"))
-                       .get("status") == "True" and c, what="Ready=True")
+    ready = eventually(
+        lambda: (
+            (c := condition(kube.get(pllm_path(namespace, "demo")), "Ready")).get("status")
+            == "True"
+            and c
+        ),
+        what="Ready=True",
+    )
     assert ready["reason"] == "AllReplicasReady"
     live = kube.get(pllm_path(namespace, "demo"))
     assert live["status"]["readyReplicas"] == 2
@@ -182,100 +228,198 @@ def test_scale_subresource_drives_deployment_replicas(kube: Kube, namespace: str
 
     scale = kube.merge(pllm_path(namespace, "demo", "scale"), {"spec": {"replicas": 3}})
     assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 3
-    eventually(lambda: kube.get(deployment_path(namespace, "demo"))["spec"]["replicas"] == 3,
-               what="Deployment replicas 3")
+    eventually(
+        lambda: kube.get(deployment_path(namespace, "demo"))["spec"]["replicas"] == 3,
+        what="Deployment replicas 3",
+    )
     eventually(lambda: kube.get(pdb_path(namespace, "demo")), what="a PDB for 3 replicas")
     scale = kube.get(pllm_path(namespace, "demo", "scale"))
-    assert scale["status"]["selector"] == \
-        "app.kubernetes.io/name=pagedllm,pagedllm.io/instance=demo"
+    assert (
+        scale["status"]["selector"] == "app.kubernetes.io/name=pagedllm,pagedllm.io/instance=demo"
+    )
 
     kube.merge(pllm_path(namespace, "demo", "scale"), {"spec": {"replicas": 1}})
     eventually(lambda: kube.get(deployment_path(namespace, "demo"))["spec"]["replicas"] == 1)
-    eventually(lambda: kube.get(pdb_path(namespace, "demo")) is None,
-               what="the PDB to go with one replica")
+    eventually(
+        lambda: kube.get(pdb_path(namespace, "demo")) is None, what="the PDB to go with one replica"
+    )
 
 
 def test_bad_spec_degrades_only_that_resource_and_recovers(kube: Kube, namespace: str) -> None:
-    kube.create(pllm_path(namespace), pagedllm("broken", {
-        "model": {"uri": "pvc://weights/llama", "servedName": "llama"}}))
+    kube.create(
+        pllm_path(namespace),
+        pagedllm("broken", {"model": {"uri": "pvc://weights/llama", "servedName": "llama"}}),
+    )
     kube.create(pllm_path(namespace), pagedllm("healthy", {"model": {"servedName": "demo"}}))
 
-    degraded = eventually(lambda: (c := condition(kube.get(pllm_path(namespace, "broken")),
-                                                  "Degraded")).get("status") == "True" and c,
-                          what="Degraded on the broken resource")
+    degraded = eventually(
+        lambda: (
+            (c := condition(kube.get(pllm_path(namespace, "broken")), "Degraded")).get("status")
+            == "True"
+            and c
+        ),
+        what="Degraded on the broken resource",
+    )
     assert degraded["reason"] == "InvalidSpec"
     assert 'PersistentVolumeClaim "weights"' in degraded["message"]
-    eventually(lambda: any(e["reason"] == "InvalidSpec" and "weights" in e["message"]
-                           for e in events_for(kube, namespace, "broken")),
-               what="a Warning event")
+    eventually(
+        lambda: any(
+            e["reason"] == "InvalidSpec" and "weights" in e["message"]
+            for e in events_for(kube, namespace, "broken")
+        ),
+        what="a Warning event",
+    )
     assert kube.get(deployment_path(namespace, "broken")) is None
 
-    eventually(lambda: kube.get(deployment_path(namespace, "healthy")),
-               what="the healthy resource to be served regardless")
+    eventually(
+        lambda: kube.get(deployment_path(namespace, "healthy")),
+        what="the healthy resource to be served regardless",
+    )
     mark_deployment_ready(kube, namespace, "healthy", ready=1)
-    eventually(lambda: condition(kube.get(pllm_path(namespace, "healthy")), "Ready").get(
-        "status") == "True", what="the healthy resource Ready")
+    eventually(
+        lambda: (
+            condition(kube.get(pllm_path(namespace, "healthy")), "Ready").get("status") == "True"
+        ),
+        what="the healthy resource Ready",
+    )
 
     # Retried with backoff: once the claim exists, the resource heals by itself.
-    kube.create(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", {
-        "metadata": {"name": "weights"},
-        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}},
-    })
-    deployment = eventually(lambda: kube.get(deployment_path(namespace, "broken")), timeout=15,
-                            what="the retry to create the Deployment")
+    kube.create(
+        f"/api/v1/namespaces/{namespace}/persistentvolumeclaims",
+        {
+            "metadata": {"name": "weights"},
+            "spec": {
+                "accessModes": ["ReadOnlyMany"],
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    )
+    deployment = eventually(
+        lambda: kube.get(deployment_path(namespace, "broken")),
+        timeout=15,
+        what="the retry to create the Deployment",
+    )
     volumes = deployment["spec"]["template"]["spec"]["volumes"]
-    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights",
-                                                       "readOnly": True}} in volumes
-    eventually(lambda: condition(kube.get(pllm_path(namespace, "broken")), "Degraded").get(
-        "status") == "False", what="Degraded cleared")
+    assert {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "weights", "readOnly": True},
+    } in volumes
+    eventually(
+        lambda: (
+            condition(kube.get(pllm_path(namespace, "broken")), "Degraded").get("status") == "False"
+        ),
+        what="Degraded cleared",
+    )
 
 
 def add_pod(kube: Kube, namespace: str, name: str, owner: str, status: dict[str, Any]) -> None:
     """A pod of `owner` in the state the kubelet would report."""
     pods = f"/api/v1/namespaces/{namespace}/pods"
-    kube.create(pods, {"metadata": {"name": name, "labels": {
-        "app.kubernetes.io/name": "pagedllm", "pagedllm.io/instance": owner}},
-        "spec": {"containers": [{"name": "pagedllm", "image": "x"}]}})
+    kube.create(
+        pods,
+        {
+            "metadata": {
+                "name": name,
+                "labels": {"app.kubernetes.io/name": "pagedllm", "pagedllm.io/instance": owner},
+            },
+            "spec": {"containers": [{"name": "pagedllm", "image": "x"}]},
+        },
+    )
     kube.merge(f"{pods}/{name}/status", {"status": status})
 
 
 def test_pod_problems_surface_as_conditions(kube: Kube, namespace: str) -> None:
-    kube.create(pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"},
-                                                        "replicas": 2}))
+    kube.create(
+        pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"}, "replicas": 2})
+    )
     eventually(lambda: kube.get(deployment_path(namespace, "demo")))
-    add_pod(kube, namespace, "demo-pending", "demo", {"phase": "Pending", "conditions": [
-        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-         "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]})
-    waiting = eventually(lambda: (c := condition(kube.get(pllm_path(namespace, "demo")),
-                                                 "Progressing")).get("reason")
-                         == "WaitingForCapacity" and c, what="WaitingForCapacity")
+    add_pod(
+        kube,
+        namespace,
+        "demo-pending",
+        "demo",
+        {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                }
+            ],
+        },
+    )
+    waiting = eventually(
+        lambda: (
+            (c := condition(kube.get(pllm_path(namespace, "demo")), "Progressing")).get("reason")
+            == "WaitingForCapacity"
+            and c
+        ),
+        what="WaitingForCapacity",
+    )
     assert "Insufficient nvidia.com/gpu" in waiting["message"]
     assert condition(kube.get(pllm_path(namespace, "demo")), "Degraded")["status"] == "False"
 
-    add_pod(kube, namespace, "demo-crashing", "demo", {"phase": "Running",
-                "containerStatuses": [{"name": "pagedllm", "ready": False, "restartCount": 4,
-                                       "state": {"waiting": {"reason": "CrashLoopBackOff",
-                                                             "message": "back-off 40s"}},
-                                       "lastState": {"terminated": {"exitCode": 1,
-                                                                    "reason": "Error"}}}]})
-    degraded = eventually(lambda: (c := condition(kube.get(pllm_path(namespace, "demo")),
-                                                  "Degraded")).get("status") == "True" and c,
-                          what="Degraded")
+    add_pod(
+        kube,
+        namespace,
+        "demo-crashing",
+        "demo",
+        {
+            "phase": "Running",
+            "containerStatuses": [
+                {
+                    "name": "pagedllm",
+                    "ready": False,
+                    "restartCount": 4,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+                    "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}},
+                }
+            ],
+        },
+    )
+    degraded = eventually(
+        lambda: (
+            (c := condition(kube.get(pllm_path(namespace, "demo")), "Degraded")).get("status")
+            == "True"
+            and c
+        ),
+        what="Degraded",
+    )
     assert degraded["reason"] == "CrashLoopBackOff"
     assert "demo-crashing" in degraded["message"] and "exit code 1" in degraded["message"]
-    eventually(lambda: any(e["reason"] == "CrashLoopBackOff"
-                           for e in events_for(kube, namespace, "demo")), what="an Event")
+    eventually(
+        lambda: any(e["reason"] == "CrashLoopBackOff" for e in events_for(kube, namespace, "demo")),
+        what="an Event",
+    )
 
 
 def test_hpa_mode_targets_the_scale_subresource(kube: Kube, namespace: str) -> None:
-    kube.create(pllm_path(namespace), pagedllm("demo", {
-        "model": {"servedName": "demo"},
-        "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "target": 0.8,
-                        "metric": "kvCacheUsage", "mode": "hpa", "scaleDownDelaySeconds": 120}}))
+    kube.create(
+        pllm_path(namespace),
+        pagedllm(
+            "demo",
+            {
+                "model": {"servedName": "demo"},
+                "autoscaling": {
+                    "minReplicas": 1,
+                    "maxReplicas": 4,
+                    "target": 0.8,
+                    "metric": "kvCacheUsage",
+                    "mode": "hpa",
+                    "scaleDownDelaySeconds": 120,
+                },
+            },
+        ),
+    )
     hpa_path = f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers/demo"
     hpa = eventually(lambda: kube.get(hpa_path), what="the HPA")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "pagedllm.io/v1alpha1",
-                                             "kind": "PagedLLM", "name": "demo"}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "pagedllm.io/v1alpha1",
+        "kind": "PagedLLM",
+        "name": "demo",
+    }
     (metric,) = hpa["spec"]["metrics"]
     assert metric["pods"]["metric"]["name"] == "vllm_kv_cache_usage_perc"
     assert metric["pods"]["target"]["averageValue"] == "800m"
@@ -289,10 +433,12 @@ def test_hpa_mode_targets_the_scale_subresource(kube: Kube, namespace: str) -> N
     eventually(lambda: kube.get(hpa_path) is None, what="the HPA to go without autoscaling")
 
 
-def test_restart_duplicates_nothing(kube: Kube, namespace: str, kubeconfig: Any,
-                                    operator_process: OperatorProcess, tmp_path: Any) -> None:
-    kube.create(pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"},
-                                                        "replicas": 2}))
+def test_restart_duplicates_nothing(
+    kube: Kube, namespace: str, kubeconfig: Any, operator_process: OperatorProcess, tmp_path: Any
+) -> None:
+    kube.create(
+        pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"}, "replicas": 2})
+    )
     before = {
         "deployment": eventually(lambda: kube.get(deployment_path(namespace, "demo"))),
         "service": eventually(lambda: kube.get(service_path(namespace, "demo"))),
@@ -301,21 +447,31 @@ def test_restart_duplicates_nothing(kube: Kube, namespace: str, kubeconfig: Any,
     assert operator_process.stop() == 0
 
     # The second run goes through `pagedllm.operator.run`, the `pagedllm operator` entry.
-    entry = [KOPF_RUN[0], "-c", "import sys; from pagedllm.operator import run; "
-             "sys.exit(run(sys.argv[1:]))"]
+    entry = [
+        KOPF_RUN[0],
+        "-c",
+        "import sys; from pagedllm.operator import run; sys.exit(run(sys.argv[1:]))",
+    ]
     second = OperatorProcess(kubeconfig, tmp_path, entry)
     second.start()
     try:
-        eventually(lambda: "Handler 'reconcile_pagedllm' succeeded" in second.log(),
-                   what="the resumed reconcile")
+        eventually(
+            lambda: "Handler 'reconcile_pagedllm' succeeded" in second.log(),
+            what="the resumed reconcile",
+        )
         time.sleep(1.5)  # a few resync periods
         deployments = kube.list(deployment_path(namespace))
-        assert [d["metadata"]["uid"] for d in deployments] == \
-            [before["deployment"]["metadata"]["uid"]]
-        assert kube.get(service_path(namespace, "demo"))["metadata"]["uid"] == \
-            before["service"]["metadata"]["uid"]
-        assert kube.get(pdb_path(namespace, "demo"))["metadata"]["uid"] == \
-            before["pdb"]["metadata"]["uid"]
+        assert [d["metadata"]["uid"] for d in deployments] == [
+            before["deployment"]["metadata"]["uid"]
+        ]
+        assert (
+            kube.get(service_path(namespace, "demo"))["metadata"]["uid"]
+            == before["service"]["metadata"]["uid"]
+        )
+        assert (
+            kube.get(pdb_path(namespace, "demo"))["metadata"]["uid"]
+            == before["pdb"]["metadata"]["uid"]
+        )
         annotations = kube.get(pllm_path(namespace, "demo"))["metadata"]["annotations"]
         assert all(not key.startswith("kopf.zalando.org") for key in annotations)
         assert not kube.get(pllm_path(namespace, "demo"))["metadata"].get("finalizers")

@@ -21,20 +21,36 @@ from pagedllm.operator.spec import (
 )
 
 
-@pytest.mark.parametrize(("uri", "expected"), [
-    (None, ModelSource(ModelSourceKind.DEMO)),
-    ("/models/tiny", ModelSource(ModelSourceKind.IMAGE, path="/models/tiny")),
-    ("pvc://weights/llama/8b/", ModelSource(ModelSourceKind.PVC, path="llama/8b",
-                                            claim="weights")),
-    ("hf://Qwen/Qwen2.5-0.5B-Instruct", ModelSource(ModelSourceKind.HUGGING_FACE,
-                                                    path="Qwen/Qwen2.5-0.5B-Instruct")),
-])
+@pytest.mark.parametrize(
+    ("uri", "expected"),
+    [
+        (None, ModelSource(ModelSourceKind.DEMO)),
+        ("/models/tiny", ModelSource(ModelSourceKind.IMAGE, path="/models/tiny")),
+        (
+            "pvc://weights/llama/8b/",
+            ModelSource(ModelSourceKind.PVC, path="llama/8b", claim="weights"),
+        ),
+        (
+            "hf://Qwen/Qwen2.5-0.5B-Instruct",
+            ModelSource(ModelSourceKind.HUGGING_FACE, path="Qwen/Qwen2.5-0.5B-Instruct"),
+        ),
+    ],
+)
 def test_model_uris(uri: str | None, expected: ModelSource) -> None:
     assert parse_model_uri(uri) == expected
 
 
-@pytest.mark.parametrize("uri", ["pvc://weights", "pvc://Bad_Claim/x", "hf://org",
-                                 "hf://org/name/extra", "models/relative", "s3://b/k"])
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "pvc://weights",
+        "pvc://Bad_Claim/x",
+        "hf://org",
+        "hf://org/name/extra",
+        "models/relative",
+        "s3://b/k",
+    ],
+)
 def test_bad_model_uris_say_what_is_expected(uri: str) -> None:
     with pytest.raises(InvalidSpec, match="expected"):
         parse_model_uri(uri)
@@ -46,14 +62,25 @@ def test_wrong_types_are_reported_with_their_path() -> None:
     with pytest.raises(InvalidSpec, match="servedName is required"):
         parse_spec({"model": {}})
     with pytest.raises(InvalidSpec, match="minReplicas must not exceed"):
-        parse_spec({"model": {"servedName": "x"},
-                    "autoscaling": {"minReplicas": 4, "maxReplicas": 2, "target": 1}})
+        parse_spec(
+            {
+                "model": {"servedName": "x"},
+                "autoscaling": {"minReplicas": 4, "maxReplicas": 2, "target": 1},
+            }
+        )
 
 
-@pytest.mark.parametrize(("text", "value"), [
-    ("4Gi", 4 * 2**30), ("512Mi", 512 * 2**20), ("1G", 1e9), ("1500m", 1.5), ("2e3", 2000),
-    (1024, 1024),
-])
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("4Gi", 4 * 2**30),
+        ("512Mi", 512 * 2**20),
+        ("1G", 1e9),
+        ("1500m", 1.5),
+        ("2e3", 2000),
+        (1024, 1024),
+    ],
+)
 def test_quantities(text: str | int, value: float) -> None:
     assert parse_quantity(text) == value
 
@@ -64,15 +91,18 @@ def test_quantity_formatting_round_trips() -> None:
     assert parse_quantity(format_quantity(0.25)) == 0.25
 
 
-@pytest.mark.parametrize(("spec", "replicas"), [
-    ({}, 1),
-    ({"replicas": 0}, 0),
-    ({"replicas": 5}, 5),
-    ({"autoscaling": {"minReplicas": 0, "maxReplicas": 3, "target": 1}}, 1),
-    ({"autoscaling": {"minReplicas": 2, "maxReplicas": 3, "target": 1}}, 2),
-    ({"replicas": 9, "autoscaling": {"minReplicas": 1, "maxReplicas": 3, "target": 1}}, 3),
-    ({"replicas": 0, "autoscaling": {"minReplicas": 0, "maxReplicas": 3, "target": 1}}, 0),
-])
+@pytest.mark.parametrize(
+    ("spec", "replicas"),
+    [
+        ({}, 1),
+        ({"replicas": 0}, 0),
+        ({"replicas": 5}, 5),
+        ({"autoscaling": {"minReplicas": 0, "maxReplicas": 3, "target": 1}}, 1),
+        ({"autoscaling": {"minReplicas": 2, "maxReplicas": 3, "target": 1}}, 2),
+        ({"replicas": 9, "autoscaling": {"minReplicas": 1, "maxReplicas": 3, "target": 1}}, 3),
+        ({"replicas": 0, "autoscaling": {"minReplicas": 0, "maxReplicas": 3, "target": 1}}, 0),
+    ],
+)
 def test_effective_replicas(spec: dict, replicas: int) -> None:
     assert effective_replicas(parse_spec({"model": {"servedName": "x"}, **spec})) == replicas
 
@@ -87,10 +117,13 @@ def test_config_from_environment() -> None:
 
 def test_the_operator_package_stays_light(tmp_path: Path) -> None:
     """The operator image path must not pull in torch (nor shadow the stdlib `operator`)."""
-    probe = ("import sys, operator, pagedllm.operator; "
-             "assert hasattr(operator, 'itemgetter'); "
-             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, text=True,
-                            capture_output=True, timeout=60)
+    probe = (
+        "import sys, operator, pagedllm.operator; "
+        "assert hasattr(operator, 'itemgetter'); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, text=True, capture_output=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -78,7 +78,8 @@ class Server:
         """Sum of the samples named ``name`` whose labels include ``labels``."""
         wanted = [f'{k}="{v}"' for k, v in labels.items()]
         return sum(
-            value for key, value in self.metrics().items()
+            value
+            for key, value in self.metrics().items()
             if key.split("{", 1)[0] == name and all(w in key for w in wanted)
         )
 
@@ -105,20 +106,31 @@ class Server:
                 self.process.wait()
 
 
-def start_server(tmp_dir: Path, *args: str, api_key: str | None = None,
-                 env: dict[str, str] | None = None) -> Server:
+def start_server(
+    tmp_dir: Path, *args: str, api_key: str | None = None, env: dict[str, str] | None = None
+) -> Server:
     """`pagedllm serve` on a free port with a small KV cache, once /health answers 200."""
     tmp_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log_path = tmp_dir / "serve.log"
     full_env = {**os.environ, "TMPDIR": str(tmp_dir), **(env or {})}
-    command = [PAGEDLLM, "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--kv-cache-memory", "32MiB", *args]
+    command = [
+        PAGEDLLM,
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        "32MiB",
+        *args,
+    ]
     if api_key is not None:
         command += ["--api-key", api_key]
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                   env=full_env, start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
     server = Server(process, port, log_path, tmp_dir, api_key)
     deadline = time.monotonic() + START_TIMEOUT_S
     while server.health() != 200:

@@ -26,19 +26,22 @@ def test_help_lists_the_subcommands() -> None:
         assert command in result.stdout
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--block-size", "0"], "expected a positive integer, got 0"),
-    (["--port", "70000"], "a port is at most 65535"),
-    (["--gpu-memory-utilization", "1.5"], "expected a fraction in (0, 1]"),
-    (["--kv-cache-memory", "lots"], "expected a size in bytes"),
-    (["--shutdown-timeout", "-1"], "expected a finite number >= 0"),
-    (["--api-server-nice", "20"], "a niceness is between 0 and 19, got 20"),
-    (["--dtype", "int3"], "invalid choice: 'int3'"),
-    (["--model", "/no/such/model"], "--model /no/such/model: no such directory"),
-    (["--block-size", "512"], "block_size must be at most 256"),
-    (["--tensor-parallel-size", "3"], "tensor-parallel size 3 does not divide"),
-    (["--max-model-len", "4096"], "exceeds the model's max_position_embeddings (2048)"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--block-size", "0"], "expected a positive integer, got 0"),
+        (["--port", "70000"], "a port is at most 65535"),
+        (["--gpu-memory-utilization", "1.5"], "expected a fraction in (0, 1]"),
+        (["--kv-cache-memory", "lots"], "expected a size in bytes"),
+        (["--shutdown-timeout", "-1"], "expected a finite number >= 0"),
+        (["--api-server-nice", "20"], "a niceness is between 0 and 19, got 20"),
+        (["--dtype", "int3"], "invalid choice: 'int3'"),
+        (["--model", "/no/such/model"], "--model /no/such/model: no such directory"),
+        (["--block-size", "512"], "block_size must be at most 256"),
+        (["--tensor-parallel-size", "3"], "tensor-parallel size 3 does not divide"),
+        (["--max-model-len", "4096"], "exceeds the model's max_position_embeddings (2048)"),
+    ],
+)
 def test_serve_refuses_bad_flags_before_starting_anything(args: list[str], message: str) -> None:
     result = run("serve", *args)
     assert result.returncode == 2
@@ -68,8 +71,9 @@ def test_demo_model_writes_the_builtin_checkpoint(tmp_path: Path) -> None:
 
 def test_generate_prints_the_offline_generation(offline: LLM) -> None:
     prompt = "The lighthouse keeper"
-    generated = run("generate", "--prompt", prompt, "--max-tokens", "6",
-                    "--kv-cache-memory", "32MiB")
+    generated = run(
+        "generate", "--prompt", prompt, "--max-tokens", "6", "--kv-cache-memory", "32MiB"
+    )
     assert generated.returncode == 0, generated.stderr
     (want,) = offline.generate(
         [prompt], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False
@@ -87,27 +91,36 @@ def test_serve_first_writes_the_demo_model_then_its_workers_compute(tmp_path: Pa
     """With an empty cache the supervisor writes the demo model (torch work) before it forks
     the workers; their first multi-threaded step must not inherit a dead thread pool."""
     cache = tmp_path / "cache"
-    server = start_server(tmp_path / "run", env={
-        "PAGEDLLM_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "2",
-        cpu_extension.KERNEL_DIR_ENV: str(cpu_extension.build_dir().parent),
-    })
+    server = start_server(
+        tmp_path / "run",
+        env={
+            "PAGEDLLM_CACHE_DIR": str(cache),
+            "OMP_NUM_THREADS": "2",
+            cpu_extension.KERNEL_DIR_ENV: str(cpu_extension.build_dir().parent),
+        },
+    )
     try:
         assert (cache / DEMO_MODEL_DIR_NAME / "model.safetensors").is_file()
         completion = server.client().completions.create(
-            model=DEMO_MODEL, prompt="A fresh cache", max_tokens=4, temperature=0)
+            model=DEMO_MODEL, prompt="A fresh cache", max_tokens=4, temperature=0
+        )
         assert completion.usage.completion_tokens == 4
     finally:
         server.stop()
 
 
-@pytest.mark.parametrize(("env", "tp_size", "threads"), [
-    ({"OMP_NUM_THREADS": "3", "PAGEDLLM_CPUS": "8"}, 2, 3),  # per rank, as given
-    ({"PAGEDLLM_CPUS": "8"}, 2, 4),  # the pod's CPUs shared among the ranks
-    ({"PAGEDLLM_CPUS": "1"}, 2, 1),
-    ({"PAGEDLLM_CPUS": "0"}, 1, len(os.sched_getaffinity(0))),  # no CPU request: the cores
-])
-def test_worker_threads_follow_the_pods_cpus(env: dict[str, str], tp_size: int, threads: int,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("env", "tp_size", "threads"),
+    [
+        ({"OMP_NUM_THREADS": "3", "PAGEDLLM_CPUS": "8"}, 2, 3),  # per rank, as given
+        ({"PAGEDLLM_CPUS": "8"}, 2, 4),  # the pod's CPUs shared among the ranks
+        ({"PAGEDLLM_CPUS": "1"}, 2, 1),
+        ({"PAGEDLLM_CPUS": "0"}, 1, len(os.sched_getaffinity(0))),  # no CPU request: the cores
+    ],
+)
+def test_worker_threads_follow_the_pods_cpus(
+    env: dict[str, str], tp_size: int, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

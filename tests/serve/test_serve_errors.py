@@ -26,8 +26,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # The key comes from the environment, as the Kubernetes operator mounts it.
     running = start_server(
         tmp_path_factory.mktemp("errors"),
-        "--served-model-name", MODEL, "other-name",
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1", "--max-waiting", "1",
+        "--served-model-name",
+        MODEL,
+        "other-name",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "1",
+        "--max-waiting",
+        "1",
         env={"PAGEDLLM_API_KEY": API_KEY},
     )
     running.api_key = API_KEY
@@ -35,8 +42,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     running.stop()
 
 
-def post(server: Server, path: str, body: Any = None, *, content: bytes | None = None,
-         key: str | None = API_KEY) -> httpx.Response:
+def post(
+    server: Server,
+    path: str,
+    body: Any = None,
+    *,
+    content: bytes | None = None,
+    key: str | None = API_KEY,
+) -> httpx.Response:
     headers = {"Content-Type": "application/json"}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
@@ -76,8 +89,9 @@ def test_unknown_model_is_404_and_every_served_name_works(server: Server) -> Non
     assert "gpt-nope" in raised.value.body["message"]
     out = client.completions.create(model="other-name", prompt="hi", max_tokens=1)
     assert out.model == MODEL
-    response = httpx.get(f"{server.url}/v1/nothing-here",
-                         headers={"Authorization": f"Bearer {API_KEY}"})
+    response = httpx.get(
+        f"{server.url}/v1/nothing-here", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     assert_error(response, 404)
 
 
@@ -101,8 +115,7 @@ INVALID = [
     ("/v1/completions", {**COMPLETION, "stream": True, "best_of": 3}, "streaming"),
     ("/v1/completions", {"model": MODEL, "max_tokens": 4}, "prompt"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]},
-     "role"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "role"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "not supported"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
@@ -111,22 +124,31 @@ INVALID = [
     ("/v1/completions", {**COMPLETION, "stop": ["\udfff"]}, "unpaired surrogates"),
     ("/v1/completions", {**COMPLETION, "model": "\ud800"}, "unpaired surrogates"),
     ("/v1/completions", {**COMPLETION, "logit_bias": {"\ud800": "x"}}, "logit_bias"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]},
-     "unpaired surrogates"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]},
+        "unpaired surrogates",
+    ),
     ("/tokenize", {"prompt": "\ud800"}, "unpaired surrogates"),
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "fragment"), INVALID,
-                         ids=[f"{p}:{f}:{i}" for i, (p, _, f) in enumerate(INVALID)])
-def test_invalid_parameters_are_400(server: Server, path: str, body: dict[str, Any],
-                                    fragment: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "body", "fragment"),
+    INVALID,
+    ids=[f"{p}:{f}:{i}" for i, (p, _, f) in enumerate(INVALID)],
+)
+def test_invalid_parameters_are_400(
+    server: Server, path: str, body: dict[str, Any], fragment: str
+) -> None:
     error = assert_error(post(server, path, body), 400, fragment)
     assert error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'{"model": "x", "prompt": "a",'
-                                     b' "temperature": NaN}', b"\xff\xfe"])
+@pytest.mark.parametrize(
+    "content",
+    [b"{not json", b"[1, 2]", b'{"model": "x", "prompt": "a", "temperature": NaN}', b"\xff\xfe"],
+)
 def test_malformed_bodies_are_400(server: Server, content: bytes) -> None:
     assert_error(post(server, "/v1/completions", content=content), 400)
 
@@ -140,16 +162,24 @@ def test_the_sdk_raises_bad_request_with_the_message(server: Server) -> None:
 def test_prompts_longer_than_max_model_len_are_400_with_the_lengths(server: Server) -> None:
     long_prompt = "word " * 100
     tokens = post(server, "/tokenize", {"prompt": long_prompt}).json()["count"]
-    assert_error(post(server, "/v1/completions", {**COMPLETION, "prompt": long_prompt}), 400,
-                 f"maximum context length is {MAX_MODEL_LEN}", f"{tokens} tokens")
+    assert_error(
+        post(server, "/v1/completions", {**COMPLETION, "prompt": long_prompt}),
+        400,
+        f"maximum context length is {MAX_MODEL_LEN}",
+        f"{tokens} tokens",
+    )
     short = post(server, "/tokenize", {"prompt": "hello"}).json()["count"]
     error = assert_error(
-        post(server, "/v1/completions", {**COMPLETION, "max_tokens": MAX_MODEL_LEN}), 400,
+        post(server, "/v1/completions", {**COMPLETION, "max_tokens": MAX_MODEL_LEN}),
+        400,
         f"{short} in the prompt, {MAX_MODEL_LEN} in the completion",
     )
     assert error["code"] == "context_length_exceeded"
-    chat = post(server, "/v1/chat/completions",
-                {**CHAT, "messages": [{"role": "user", "content": long_prompt}]})
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": long_prompt}]},
+    )
     assert_error(chat, 400, f"maximum context length is {MAX_MODEL_LEN}")
 
 
@@ -164,7 +194,11 @@ def test_a_full_queue_answers_503_with_retry_after(server: Server) -> None:
     client = server.client()
     for _ in range(3):  # the running request may finish before the scene is set; retry
         running = client.completions.create(
-            model=MODEL, prompt="hi", max_tokens=MAX_MODEL_LEN - 4, n=32, stream=True,
+            model=MODEL,
+            prompt="hi",
+            max_tokens=MAX_MODEL_LEN - 4,
+            n=32,
+            stream=True,
             extra_body={"ignore_eos": True},
         )
         next(iter(running))  # it is running once its first chunk is here
@@ -175,8 +209,10 @@ def test_a_full_queue_answers_503_with_retry_after(server: Server) -> None:
 
         thread = threading.Thread(target=wait_in_queue)
         thread.start()
-        server.wait_until(lambda: server.metric("vllm:num_requests_waiting") == 1,
-                          what="the second request to wait")
+        server.wait_until(
+            lambda: server.metric("vllm:num_requests_waiting") == 1,
+            what="the second request to wait",
+        )
         refused = post(server, "/v1/completions", COMPLETION)
         running.close()
         thread.join(60)
@@ -215,8 +251,13 @@ def test_fuzzed_requests_never_get_a_server_error(server: Server) -> None:
     ]
     seen: dict[int, int] = {}
 
-    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=150,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(st.one_of(strategies))
     def never_5xx(case: schemathesis.Case) -> None:
         case.body = _clamp_cost(case.body)
@@ -228,6 +269,7 @@ def test_fuzzed_requests_never_get_a_server_error(server: Server) -> None:
     assert any(status == 200 for status in seen) and any(status == 400 for status in seen)
     assert server.process.poll() is None
     assert server.health() == 200
-    out = server.client().completions.create(model=MODEL, prompt="still here", max_tokens=2,
-                                             extra_body={"ignore_eos": True})
+    out = server.client().completions.create(
+        model=MODEL, prompt="still here", max_tokens=2, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 2

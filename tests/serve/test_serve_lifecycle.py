@@ -27,9 +27,15 @@ SHUTDOWN_TIMEOUT_S = 30
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    running = start_server(tmp_path_factory.mktemp("lifecycle"), "--api-server-count", "2",
-                           "--api-server-nice", "5",
-                           "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
+    running = start_server(
+        tmp_path_factory.mktemp("lifecycle"),
+        "--api-server-count",
+        "2",
+        "--api-server-nice",
+        "5",
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
+    )
     yield running
     running.stop()
 
@@ -37,9 +43,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 async def _stream(client: httpx.AsyncClient, index: int, keep: bool) -> int | None:
     """One streamed completion; the completion tokens when read to the end, None when the
     client hung up after two chunks."""
-    body = {"model": DEMO_MODEL, "prompt": f"Stream number {index}", "stream": True,
-            "ignore_eos": True, "max_tokens": 24 if keep else 1000,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": DEMO_MODEL,
+        "prompt": f"Stream number {index}",
+        "stream": True,
+        "ignore_eos": True,
+        "max_tokens": 24 if keep else 1000,
+        "stream_options": {"include_usage": True},
+    }
     chunks = 0
     usage = None
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -62,16 +73,18 @@ def test_200_streams_with_half_hanging_up_early(server: Server) -> None:
     async def run() -> list[int | None]:
         limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as client:
-            return await asyncio.gather(*(_stream(client, i, keep=i % 2 == 0)
-                                          for i in range(200)))
+            return await asyncio.gather(*(_stream(client, i, keep=i % 2 == 0) for i in range(200)))
 
     results = asyncio.run(run())
     assert results[0::2] == [24] * 100
     assert results[1::2] == [None] * 100
     # The ones that hung up asked for 1000 tokens each: only aborting them empties the node
     # this soon, and frees their blocks.
-    server.wait_until(lambda: server.metric("vllm:num_requests_running") == 0, timeout=20,
-                      what="every request to finish or be aborted")
+    server.wait_until(
+        lambda: server.metric("vllm:num_requests_running") == 0,
+        timeout=20,
+        what="every request to finish or be aborted",
+    )
     assert server.metric("vllm:num_requests_waiting") == 0
     assert server.metric("vllm:kv_cache_usage_perc") == 0.0
     assert server.metric("vllm:request_success_total", finished_reason="abort") >= 100
@@ -81,13 +94,21 @@ def test_200_streams_with_half_hanging_up_early(server: Server) -> None:
 
 def test_a_client_leaving_a_whole_response_request_aborts_it(server: Server) -> None:
     aborted = server.metric("vllm:request_success_total", finished_reason="abort")
-    body = {"model": DEMO_MODEL, "prompt": "Never read", "max_tokens": 2000, "n": 4,
-            "ignore_eos": True}
+    body = {
+        "model": DEMO_MODEL,
+        "prompt": "Never read",
+        "max_tokens": 2000,
+        "n": 4,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
     # Generating it all would take far longer than this.
-    server.wait_until(lambda: server.metric("vllm:num_requests_running") == 0, timeout=5,
-                      what="the abandoned request to be aborted")
+    server.wait_until(
+        lambda: server.metric("vllm:num_requests_running") == 0,
+        timeout=5,
+        what="the abandoned request to be aborted",
+    )
     assert server.metric("vllm:kv_cache_usage_perc") == 0.0
     assert server.metric("vllm:request_success_total", finished_reason="abort") == aborted + 1
 
@@ -114,8 +135,9 @@ def test_malformed_messages_are_dropped_and_the_node_keeps_serving(server: Serve
         # Well formed outputs for a request nobody waits for.
         messages.encode(messages.RequestOutputs([RequestDelta("nobody", finished=True)])),
         # A well-formed step plan for sequences no worker holds.
-        messages.encode(StepPlan(10**6, running=[RunningUpdate(424242, [1], 0, [], 0)],
-                                 scheduled=[(424242, 1)])),
+        messages.encode(
+            StepPlan(10**6, running=[RunningUpdate(424242, [1], 0, [], 0)], scheduled=[(424242, 1)])
+        ),
     ]
     ctx = zmq.Context()
     try:
@@ -130,12 +152,18 @@ def test_malformed_messages_are_dropped_and_the_node_keeps_serving(server: Serve
         ctx.term()
     for i in range(4):
         # EOS ignored: a sampled EOS would end it early (rarely: about 1 in 200 here).
-        out = server.client().completions.create(model=DEMO_MODEL, prompt=f"after junk {i}",
-                                                 max_tokens=3, extra_body={"ignore_eos": True})
+        out = server.client().completions.create(
+            model=DEMO_MODEL,
+            prompt=f"after junk {i}",
+            max_tokens=3,
+            extra_body={"ignore_eos": True},
+        )
         assert out.usage.completion_tokens == 3
     # Seven undecodable messages on each of six sockets, each logged as it is dropped.
-    server.wait_until(lambda: server.log().count("dropped a malformed message") >= 7 * 6,
-                      what="the junk to be logged")
+    server.wait_until(
+        lambda: server.log().count("dropped a malformed message") >= 7 * 6,
+        what="the junk to be logged",
+    )
     assert "dropped step plan 1000000: running update for unknown sequence" in server.log()
     assert server.process.poll() is None and server.health() == 200
 
@@ -147,8 +175,12 @@ def test_sigterm_finishes_streams_in_flight_then_exits_zero(server: Server) -> N
 
     def stream(i: int) -> None:
         chunks = client.completions.create(
-            model=DEMO_MODEL, prompt=f"Draining {i}", max_tokens=150, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model=DEMO_MODEL,
+            prompt=f"Draining {i}",
+            max_tokens=150,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
         parts = []
         for n, chunk in enumerate(chunks):

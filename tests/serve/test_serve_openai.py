@@ -27,8 +27,9 @@ def test_greedy_completions_equal_the_offline_api(server: Server, offline: LLM) 
     client = server.client()
     for prompt in PROMPTS:
         got = client.completions.create(model=DEMO_MODEL, prompt=prompt, max_tokens=12, **GREEDY)
-        (want,) = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0),
-                                   use_tqdm=False)
+        (want,) = offline.generate(
+            [prompt], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
+        )
         assert got.choices[0].text == want.outputs[0].text
         assert got.choices[0].finish_reason == want.outputs[0].finish_reason
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
@@ -41,8 +42,7 @@ def test_greedy_chat_equals_the_offline_api(server: Server, offline: LLM) -> Non
     got = server.client().chat.completions.create(
         model=DEMO_MODEL, messages=messages, max_completion_tokens=10, **GREEDY
     )
-    (want,) = offline.chat(messages, SamplingParams(max_tokens=10, temperature=0),
-                           use_tqdm=False)
+    (want,) = offline.chat(messages, SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)
     assert got.object == "chat.completion"
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == want.outputs[0].text
@@ -54,9 +54,9 @@ def test_streamed_completion_matches_the_whole_one(server: Server) -> None:
     client = server.client()
     args = {"model": DEMO_MODEL, "prompt": "Rivers flow", "max_tokens": 10, **GREEDY}
     whole = client.completions.create(**args)
-    chunks = list(client.completions.create(
-        **args, stream=True, stream_options={"include_usage": True}
-    ))
+    chunks = list(
+        client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -69,8 +69,12 @@ def test_streamed_completion_matches_the_whole_one(server: Server) -> None:
 
 def test_streamed_chat_matches_the_whole_one(server: Server) -> None:
     client = server.client()
-    args = {"model": DEMO_MODEL, "messages": [{"role": "user", "content": "Weather today"}],
-            "max_tokens": 10, **GREEDY}
+    args = {
+        "model": DEMO_MODEL,
+        "messages": [{"role": "user", "content": "Weather today"}],
+        "max_tokens": 10,
+        **GREEDY,
+    }
     whole = client.chat.completions.create(**args)
     chunks = list(client.chat.completions.create(**args, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -82,8 +86,15 @@ def test_streamed_chat_matches_the_whole_one(server: Server) -> None:
 
 def test_n_samples_are_distinct_choices_and_seeded_ones_repeat(server: Server) -> None:
     client = server.client()
-    args = {"model": DEMO_MODEL, "prompt": "Green fields", "n": 3, "max_tokens": 8,
-            "temperature": 1.0, "seed": 7, "extra_body": {"ignore_eos": True}}
+    args = {
+        "model": DEMO_MODEL,
+        "prompt": "Green fields",
+        "n": 3,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 7,
+        "extra_body": {"ignore_eos": True},
+    }
     first = client.completions.create(**args)
     again = client.completions.create(**args)
     assert sorted(c.index for c in first.choices) == [0, 1, 2]
@@ -97,8 +108,12 @@ def test_n_samples_are_distinct_choices_and_seeded_ones_repeat(server: Server) -
     assert by_index == {c.index: c.text for c in first.choices}
 
     chat = client.chat.completions.create(
-        model=DEMO_MODEL, messages=[{"role": "user", "content": "Pick colors"}], n=2,
-        max_tokens=5, seed=3, extra_body={"ignore_eos": True},
+        model=DEMO_MODEL,
+        messages=[{"role": "user", "content": "Pick colors"}],
+        n=2,
+        max_tokens=5,
+        seed=3,
+        extra_body={"ignore_eos": True},
     )
     assert [c.index for c in chat.choices] == [0, 1]
     assert chat.usage.completion_tokens == 10
@@ -106,15 +121,25 @@ def test_n_samples_are_distinct_choices_and_seeded_ones_repeat(server: Server) -
 
 def test_best_of_returns_n_choices(server: Server) -> None:
     out = server.client().completions.create(
-        model=DEMO_MODEL, prompt="Mountains rise", n=2, best_of=4, max_tokens=4, seed=1,
+        model=DEMO_MODEL,
+        prompt="Mountains rise",
+        n=2,
+        best_of=4,
+        max_tokens=4,
+        seed=1,
     )
     assert sorted(c.index for c in out.choices) == [0, 1]
 
 
 def test_stop_strings_end_the_text_before_them(server: Server) -> None:
     client = server.client()
-    args = {"model": DEMO_MODEL, "prompt": "Bright stars", "max_tokens": 16, **GREEDY,
-            "extra_body": {"ignore_eos": True}}
+    args = {
+        "model": DEMO_MODEL,
+        "prompt": "Bright stars",
+        "max_tokens": 16,
+        **GREEDY,
+        "extra_body": {"ignore_eos": True},
+    }
     full = client.completions.create(**args).choices[0].text
     stop = full[6:9]
     assert stop.strip(), f"the greedy text is too blank to pick a stop string: {full!r}"
@@ -138,12 +163,16 @@ def test_stop_strings_end_the_text_before_them(server: Server) -> None:
 
 def test_stop_token_ids_end_generation_at_that_token(server: Server, offline: LLM) -> None:
     prompt = "Quiet rooms"
-    (full,) = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
-                                                        ignore_eos=True), use_tqdm=False)
+    (full,) = offline.generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     tokens = full.outputs[0].token_ids
     stop_id = tokens[3]
     out = server.client().completions.create(
-        model=DEMO_MODEL, prompt=prompt, max_tokens=12, **GREEDY,
+        model=DEMO_MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        **GREEDY,
         extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]},
     )
     assert out.choices[0].finish_reason == "stop"
@@ -153,7 +182,11 @@ def test_stop_token_ids_end_generation_at_that_token(server: Server, offline: LL
 
 def test_completion_logprobs(server: Server) -> None:
     out = server.client().completions.create(
-        model=DEMO_MODEL, prompt="Old castles", max_tokens=6, logprobs=3, **GREEDY,
+        model=DEMO_MODEL,
+        prompt="Old castles",
+        max_tokens=6,
+        logprobs=3,
+        **GREEDY,
         extra_body={"ignore_eos": True},
     )
     logprobs = out.choices[0].logprobs
@@ -169,8 +202,13 @@ def test_completion_logprobs(server: Server) -> None:
 
 def test_chat_logprobs(server: Server) -> None:
     out = server.client().chat.completions.create(
-        model=DEMO_MODEL, messages=[{"role": "user", "content": "Count sheep"}], max_tokens=5,
-        logprobs=True, top_logprobs=2, **GREEDY, extra_body={"ignore_eos": True},
+        model=DEMO_MODEL,
+        messages=[{"role": "user", "content": "Count sheep"}],
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,
+        extra_body={"ignore_eos": True},
     )
     content = out.choices[0].logprobs.content
     assert len(content) == 5
@@ -185,8 +223,15 @@ def test_chat_logprobs(server: Server) -> None:
 def test_echo_returns_the_prompt_and_its_logprobs(server: Server) -> None:
     prompt = "Silver moon"
     client = server.client()
-    out = client.completions.create(model=DEMO_MODEL, prompt=prompt, max_tokens=3, echo=True,
-                                    logprobs=1, **GREEDY, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=DEMO_MODEL,
+        prompt=prompt,
+        max_tokens=3,
+        echo=True,
+        logprobs=1,
+        **GREEDY,
+        extra_body={"ignore_eos": True},
+    )
     choice = out.choices[0]
     assert choice.text.startswith(prompt)
     prompt_len = out.usage.prompt_tokens
@@ -194,10 +239,18 @@ def test_echo_returns_the_prompt_and_its_logprobs(server: Server) -> None:
     assert choice.logprobs.token_logprobs[0] is None
     assert all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
 
-    chunks = list(client.completions.create(
-        model=DEMO_MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=1, stream=True,
-        **GREEDY, extra_body={"ignore_eos": True},
-    ))
+    chunks = list(
+        client.completions.create(
+            model=DEMO_MODEL,
+            prompt=prompt,
+            max_tokens=3,
+            echo=True,
+            logprobs=1,
+            stream=True,
+            **GREEDY,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     streamed = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
     assert streamed == choice.logprobs.token_logprobs
@@ -209,13 +262,15 @@ def test_token_id_prompts_and_prompt_lists(server: Server) -> None:
     client = server.client()
     text_prompt = "Deep oceans"
     ids = httpx.post(f"{server.url}/tokenize", json={"prompt": text_prompt}).json()["tokens"]
-    by_text = client.completions.create(model=DEMO_MODEL, prompt=text_prompt, max_tokens=6,
-                                        **GREEDY)
+    by_text = client.completions.create(
+        model=DEMO_MODEL, prompt=text_prompt, max_tokens=6, **GREEDY
+    )
     by_ids = client.completions.create(model=DEMO_MODEL, prompt=ids, max_tokens=6, **GREEDY)
     assert by_ids.choices[0].text == by_text.choices[0].text
 
-    several = client.completions.create(model=DEMO_MODEL, prompt=[ids, ids[:2]], n=2,
-                                        max_tokens=3, seed=5)
+    several = client.completions.create(
+        model=DEMO_MODEL, prompt=[ids, ids[:2]], n=2, max_tokens=3, seed=5
+    )
     assert sorted(c.index for c in several.choices) == [0, 1, 2, 3]
     assert several.usage.prompt_tokens == len(ids) + 2
 
@@ -229,17 +284,25 @@ def test_models_version_tokenize_detokenize(server: Server) -> None:
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 2048
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"][1:]}).json()
     assert text["prompt"] == "hello world"
-    chat = httpx.post(f"{server.url}/tokenize",
-                      json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    chat = httpx.post(
+        f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
+    ).json()
     assert chat["count"] > 3
 
 
 VLLM_METRICS = (
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-    "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-    "vllm:request_success_total", "vllm:time_to_first_token_seconds_count",
-    "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:e2e_request_latency_seconds_count",
     "vllm:request_queue_time_seconds_count",
 )
 
@@ -253,30 +316,43 @@ def test_metrics_count_every_request_across_api_servers(server: Server) -> None:
     prompt_tokens = 0
     for i in range(count):
         # A fresh connection each time, so the kernel spreads them over both API servers.
-        response = httpx.post(f"{server.url}/v1/completions", json={
-            "model": DEMO_MODEL, "prompt": f"Metric sample {i}", "max_tokens": max_tokens,
-            "ignore_eos": True,
-        }, timeout=60)
+        response = httpx.post(
+            f"{server.url}/v1/completions",
+            json={
+                "model": DEMO_MODEL,
+                "prompt": f"Metric sample {i}",
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+            },
+            timeout=60,
+        )
         assert response.status_code == 200
         prompt_tokens += response.json()["usage"]["prompt_tokens"]
 
     def grew(name: str, **extra: str) -> float:
         return server.metric(name, **labels, **extra) - sum(
-            v for k, v in before.items()
+            v
+            for k, v in before.items()
             if k.split("{", 1)[0] == name
             and all(f'{a}="{b}"' in k for a, b in {**labels, **extra}.items())
         )
 
-    server.wait_until(lambda: grew("vllm:generation_tokens_total") == count * max_tokens,
-                      what="generation tokens to be counted")
+    server.wait_until(
+        lambda: grew("vllm:generation_tokens_total") == count * max_tokens,
+        what="generation tokens to be counted",
+    )
     assert grew("vllm:prompt_tokens_total") == prompt_tokens
     assert grew("vllm:request_success_total", finished_reason="length") == count
-    for histogram in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
-                      "vllm:request_queue_time_seconds"):
+    for histogram in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+    ):
         assert grew(f"{histogram}_count") == count, histogram
     assert grew("vllm:inter_token_latency_seconds_count") == count * (max_tokens - 1)
-    server.wait_until(lambda: server.metric("vllm:num_requests_running") == 0,
-                      what="no running requests")
+    server.wait_until(
+        lambda: server.metric("vllm:num_requests_running") == 0, what="no running requests"
+    )
     assert server.metric("vllm:num_requests_waiting") == 0
     assert server.metric("vllm:kv_cache_usage_perc") == 0.0
 
@@ -287,7 +363,11 @@ def test_prefix_cache_hits_are_counted(server: Server) -> None:
     before = server.metric("vllm:prefix_cache_hits_total")
     for suffix in ("first", "second"):
         client.completions.create(model=DEMO_MODEL, prompt=shared + suffix, max_tokens=2)
-    server.wait_until(lambda: server.metric("vllm:prefix_cache_hits_total") >= before + 16,
-                      what="a prefix-cache hit")
-    server.wait_until(lambda: server.metric("vllm:kv_cache_usage_perc") == 0.0,
-                      what="cached blocks to count as free")
+    server.wait_until(
+        lambda: server.metric("vllm:prefix_cache_hits_total") >= before + 16,
+        what="a prefix-cache hit",
+    )
+    server.wait_until(
+        lambda: server.metric("vllm:kv_cache_usage_perc") == 0.0,
+        what="cached blocks to count as free",
+    )

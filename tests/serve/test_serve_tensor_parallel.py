@@ -21,8 +21,9 @@ PROMPTS = ["Tensor parallel ranks", "Every rank holds half", "Gloo sums the part
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    running = start_server(tmp_path_factory.mktemp("tp"), "--tensor-parallel-size", "2",
-                           api_key="tp-secret")
+    running = start_server(
+        tmp_path_factory.mktemp("tp"), "--tensor-parallel-size", "2", api_key="tp-secret"
+    )
     yield running
     running.stop()
 
@@ -31,11 +32,17 @@ def test_two_ranks_give_the_greedy_tokens_of_one(server: Server, offline: LLM) -
     one_rank = offline
     client = server.client()
     for prompt in PROMPTS:
-        (want,) = one_rank.generate([prompt], SamplingParams(max_tokens=16, temperature=0,
-                                                             ignore_eos=True), use_tqdm=False)
-        got = client.completions.create(model=DEMO_MODEL, prompt=prompt, max_tokens=16,
-                                        temperature=0, logprobs=0,
-                                        extra_body={"ignore_eos": True})
+        (want,) = one_rank.generate(
+            [prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False
+        )
+        got = client.completions.create(
+            model=DEMO_MODEL,
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+        )
         assert got.choices[0].text == want.outputs[0].text
         tokenizer = one_rank.get_tokenizer()
         assert got.choices[0].logprobs.tokens == [
@@ -48,10 +55,20 @@ def test_killing_a_worker_fails_requests_and_exits_nonzero_within_5s(server: Ser
     streaming = threading.Event()
 
     def stream() -> None:
-        body = {"model": DEMO_MODEL, "prompt": "In flight", "max_tokens": 1500,
-                "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30,
-                          headers={"Authorization": "Bearer tp-secret"}) as response:
+        body = {
+            "model": DEMO_MODEL,
+            "prompt": "In flight",
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST",
+            f"{server.url}/v1/completions",
+            json=body,
+            timeout=30,
+            headers={"Authorization": "Bearer tp-secret"},
+        ) as response:
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[6:]))
