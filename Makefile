@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 
-.PHONY: serve test e2e lint bench install install-test
+.PHONY: serve test e2e lint typecheck bench install install-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ install-test: $(VENV)/.installed-test
 serve: install
 	$(BIN)/pagedllm serve $(ARGS)
 
-test: install-test lint
+test: install-test lint typecheck
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 e2e: install-test
@@ -34,6 +34,13 @@ e2e: install-test
 lint: install-test
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+
+# build/typecheck/pagedllm: links to node/'s entries, kernels/ and operator/ (see pyproject).
+typecheck: install-test
+	rm -rf build/typecheck && mkdir -p build/typecheck/pagedllm
+	ln -s $(CURDIR)/node/* build/typecheck/pagedllm/
+	ln -s $(CURDIR)/kernels $(CURDIR)/operator build/typecheck/pagedllm/
+	$(BIN)/mypy
 
 bench: install
 	$(BIN)/pip install -e '.[bench]'

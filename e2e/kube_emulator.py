@@ -457,7 +457,7 @@ class JsonPatchTestFailed(Exception):
     pass
 
 
-def json_patch(doc: Any, operations: list[dict[str, Any]]) -> Any:
+def json_patch(doc: Any, operations: list[dict[str, Any]]) -> Any:  # noqa: C901 (to split)
     """RFC 6902. Raises JsonPatchTestFailed for a failed `test`, KeyError/IndexError for a bad
     path."""
     doc = copy.deepcopy(doc)
@@ -1254,7 +1254,7 @@ class EmulatorServer:
         except (json.JSONDecodeError, yaml.YAMLError) as error:
             return _json(bad_request(f"invalid body: {error}").as_status(), status=400)
 
-    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:  # noqa: C901 (to split)
         path = request.path.rstrip("/") or "/"
         method = request.method
         if method == "GET":
@@ -1349,7 +1349,7 @@ class EmulatorServer:
             raise ApiError(405, "MethodNotAllowed", f"POST to {sub} is not supported")
         raise ApiError(405, "MethodNotAllowed", f"{method} is not supported")
 
-    async def _patch(
+    async def _patch(  # noqa: C901 (to split)
         self, request: web.Request, resource: ResourceRequest, strict: bool, dry_run: bool
     ) -> web.Response:
         em = self.emulator
@@ -1468,7 +1468,7 @@ class EmulatorServer:
 
     # --- watch ---------------------------------------------------------------------------
 
-    async def _watch(
+    async def _watch(  # noqa: C901 (to split)
         self, request: web.Request, rtype: ResourceType, selection: Selection
     ) -> web.StreamResponse:
         em = self.emulator
@@ -1616,7 +1616,7 @@ class EmulatorServer:
 
     # --- discovery and OpenAPI ----------------------------------------------------------
 
-    def _non_resource(self, path: str) -> web.Response | None:
+    def _non_resource(self, path: str) -> web.Response | None:  # noqa: C901 (to split)
         em = self.emulator
         groups = em.groups()
         if path == "/version":

@@ -82,7 +82,7 @@ async def reconcile_pagedllm(meta: kopf.Meta, retry: int, memo: kopf.Memo, **_: 
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def track(event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+def track(event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     """Remember which PagedLLMs this operator serves (kopf's namespace scope applies), for
     the resync timer. An event handler needs no finalizer, unlike kopf's own timers and
     daemons: deleting a PagedLLM never waits for the operator."""
@@ -134,7 +134,7 @@ def _owner_name(meta: kopf.Meta) -> str | None:
 
 
 async def _reconcile_owner(
-    event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo, logger: logging.Logger
+    event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, logger: kopf.Logger
 ) -> None:
     """A child changed or vanished: reconcile its PagedLLM now instead of at the next resync."""
     ctx: OperatorContext = memo.ctx
@@ -151,14 +151,14 @@ async def _reconcile_owner(
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
 async def deployment_changed(
-    event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo, logger: logging.Logger, **_: Any
+    event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     await _reconcile_owner(event, meta, memo, logger)
 
 
 @kopf.on.event("v1", "services", labels=MANAGED)
 async def service_changed(
-    event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo, logger: logging.Logger, **_: Any
+    event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     if event.get("type") == "DELETED":
         await _reconcile_owner(event, meta, memo, logger)
@@ -166,7 +166,7 @@ async def service_changed(
 
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
 async def disruption_budget_changed(
-    event: dict[str, Any], meta: kopf.Meta, memo: kopf.Memo, logger: logging.Logger, **_: Any
+    event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     if event.get("type") == "DELETED":
         await _reconcile_owner(event, meta, memo, logger)

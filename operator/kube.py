@@ -57,7 +57,7 @@ def resource_path(
     return path
 
 
-def _pem_file(data: str) -> str:
+def _pem_file(data: str | bytes) -> str:
     handle = tempfile.NamedTemporaryFile(prefix="pagedllm-", suffix=".pem", delete=False)
     with handle:
         handle.write(base64.b64decode(data))

@@ -333,13 +333,13 @@ class Scheduler:
 
     # ----- results -------------------------------------------------------------------------
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:  # noqa: C901 (to split)
         """Apply the workers' samples; return what changed for each request."""
         touched: dict[str, Request] = {}
         reported: dict[int, int] = {}
         by_id = {s.seq_id: s for s in self.running}
-        for seq in self.running:  # the samples the placeholders stood for are in
-            self._drop_pending(seq)
+        for running in self.running:  # the samples the placeholders stood for are in
+            self._drop_pending(running)
         for seq_id, _ in plan.scheduled:
             seq = by_id.get(seq_id)
             if seq is not None:
@@ -453,7 +453,7 @@ class Scheduler:
             if not request.seqs:
                 self._pending_deltas.append(self._delta(request, {}))
 
-    def _beam_step(self, request: Request) -> None:
+    def _beam_step(self, request: Request) -> None:  # noqa: C901 (to split)
         live = [s for s in request.seqs if s.status == SequenceStatus.RUNNING]
         if not live or any(s.beam_candidates is None for s in live):
             return
@@ -505,8 +505,8 @@ class Scheduler:
                 self._append(target, SeqSample(target.seq_id, [tok], [lp]), 0)
                 new_seqs.append(target)
         request.seqs = new_seqs
-        done = len(request.finished_beams) >= width or not new_seqs
-        if done or all(s.is_finished for s in new_seqs):
+        search_over = len(request.finished_beams) >= width or not new_seqs
+        if search_over or all(s.is_finished for s in new_seqs):
             for seq in new_seqs:
                 if not seq.is_finished:
                     self._finish(seq, FinishReason.LENGTH)

@@ -54,7 +54,7 @@ def encoder(tp: Any) -> Encode:
         return lambda value: {key(k): val(v) for k, v in value.items()}
     if origin in (typing.Union, types.UnionType):
         return _encode_union(args)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _encode_dataclass(tp)
     raise TypeError(f"no wire form for {tp!r}")
 
@@ -86,7 +86,7 @@ def decoder(tp: Any) -> Decode:
         return _decode_dict(decoder(args[0]), decoder(args[1]))
     if origin in (typing.Union, types.UnionType):
         return _decode_union(args)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _decode_dataclass(tp)
     raise TypeError(f"no wire form for {tp!r}")
 
