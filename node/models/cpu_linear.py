@@ -16,6 +16,14 @@ import torch
 DISABLE_ENV = "PAGEDLLM_ONEDNN_LINEAR"  # "0" turns packing off
 # The batch oneDNN picks its layout for; decode batches are around it.
 PACK_BATCH_HINT = 64
+# oneDNN (and ideep above it) keep a primitive, with its JIT code and scratchpad, for every
+# input shape they see, up to 1,024 of each: about 0.6 MB per (weight shape, row count). A
+# server sees every row count up to its token budget, so matmuls run on a bounded set of row
+# counts: whole multiples of ROW_PIECE in one call, the rest padded up to a multiple of
+# ROW_STEP (exact up to ROW_STEP rows). Padding costs little: below ROW_PIECE rows the matmul
+# is bound by reading the weight, not by the rows.
+ROW_PIECE = 256
+ROW_STEP = 16
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -35,6 +43,27 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
 
 
+def row_pieces(rows: int) -> list[tuple[int, int]]:
+    """``(rows taken, rows computed)`` for each matmul call over ``rows`` input rows."""
+    whole, rest = divmod(rows, ROW_PIECE)
+    pieces = [(whole * ROW_PIECE, whole * ROW_PIECE)] if whole else []
+    if rest:
+        pieces.append((rest, rest if rest <= ROW_STEP else -(-rest // ROW_STEP) * ROW_STEP))
+    return pieces
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with the packed weight."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """``F.linear(x, weight, bias)`` with the packed weight, on the bounded row counts above."""
+    rows = x.reshape(-1, x.shape[-1])
+    outputs, start = [], 0
+    for taken, computed in row_pieces(rows.shape[0]):
+        piece = rows[start : start + taken]
+        if computed > taken:
+            piece = torch.nn.functional.pad(piece, (0, 0, 0, computed - taken))
+        out = torch.ops.mkldnn._linear_pointwise(piece, packed, bias, "none", [], "")
+        outputs.append(out[:taken])
+        start += taken
+    if not outputs:  # no rows: nothing to bound
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
