@@ -57,7 +57,8 @@ def start_node(workdir: Path, port: int) -> tuple[subprocess.Popen, Path]:
     log_path = workdir / "node.log"
     env = {**os.environ, "TMPDIR": str(workdir)}
     argv = [sys.executable, "-m", "pagedllm.cli", "serve", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--kv-cache-memory", "64MiB", "--log-level", "warning"]
+    # Info level: the node's log lines name each process with its pid.
+    argv += ["--port", str(port), "--kv-cache-memory", "64MiB", "--log-level", "info"]
     with log_path.open("wb") as log:
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -207,6 +208,8 @@ def main() -> None:
     process, log_path = start_node(workdir, port)
     try:
         roles = node_processes(log_path)
+        if not roles:
+            sys.exit(f"found no process of the node in its log:\n{log_path.read_text()}")
         history: dict[str, list[float]] = {role: [] for role in roles}
         failures = []
         for number in range(1, args.rounds + 1):
