@@ -315,7 +315,7 @@ class KubeClient:
                 404, "NotFound", f"the server does not serve {api_version} {kind}"
             ) from None
         except urllib3.exceptions.HTTPError as error:
-            raise KubeError(f"the API server is unreachable: {error}") from error
+            raise KubeError(f"the API server could not be reached: {error}") from error
 
     def _resource(self, api_version: str, kind: str) -> Resource:
         """The resource type from discovery, fetched on first use (a kind not in the cache,
