@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from e2e.kube_rest import KubeRest, collection_path
+from pagedllm.operator.kube import KubeClient
 
 POD_TEMPLATE_HASH = "pod-template-hash"
 REVISION_ANNOTATION = "deployment.kubernetes.io/revision"
@@ -223,24 +223,20 @@ def pods_to_delete(pods: Sequence[Mapping[str, Any]], count: int) -> list[Mappin
 
 
 class DeploymentStandin:
-    def __init__(self, kube: KubeRest, namespace: str):
+    def __init__(self, kube: KubeClient, namespace: str):
         self.kube = kube
         self.namespace = namespace
 
-    def _path(self, api_version: str, plural: str, name: str = "", sub: str = "") -> str:
-        path = collection_path(api_version, plural, self.namespace)
-        return path + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
-
     async def sync(self, now: str) -> None:
-        deployments = await self.kube.list(self._path("apps/v1", "deployments"))
-        replica_sets = await self.kube.list(self._path("apps/v1", "replicasets"))
-        pods = await self.kube.list(self._path("v1", "pods"))
+        deployments = await self.kube.list("apps/v1", "Deployment", self.namespace)
+        replica_sets = await self.kube.list("apps/v1", "ReplicaSet", self.namespace)
+        pods = await self.kube.list("v1", "Pod", self.namespace)
         for deployment in deployments:
             if is_terminating(deployment):
                 continue
             owned = [rs for rs in replica_sets if owned_by(rs, deployment)]
             await self._sync_deployment(deployment, owned, pods, now)
-        replica_sets = await self.kube.list(self._path("apps/v1", "replicasets"))
+        replica_sets = await self.kube.list("apps/v1", "ReplicaSet", self.namespace)
         for rs in replica_sets:
             if not is_terminating(rs):
                 await self._sync_replica_set(rs, [p for p in pods if owned_by(p, rs)])
@@ -300,16 +296,25 @@ class DeploymentStandin:
             if targets.get(name, 0) != rs["spec"].get("replicas", 0):
                 rs["spec"]["replicas"] = targets[name]
                 await self.kube.merge_patch(
-                    self._path("apps/v1", "replicasets", name),
+                    "apps/v1",
+                    "ReplicaSet",
+                    name,
+                    self.namespace,
                     {"spec": {"replicas": targets[name]}},
+                    missing_ok=True,
                 )
         status = deployment_status(
             deployment, new["metadata"]["name"], pods_by_rs, max_unavailable, now
         )
         if _without_times(status) != _without_times(deployment.get("status")):
             await self.kube.merge_patch(
-                self._path("apps/v1", "deployments", deployment["metadata"]["name"], "status"),
+                "apps/v1",
+                "Deployment",
+                deployment["metadata"]["name"],
+                self.namespace,
                 {"status": status},
+                subresource="status",
+                missing_ok=True,
             )
 
     async def _create_replica_set(
@@ -349,7 +354,7 @@ class DeploymentStandin:
             },
             "spec": {"replicas": 0, "selector": selector, "template": template},
         }
-        return await self.kube.create(self._path("apps/v1", "replicasets"), body)
+        return await self.kube.create(body)
 
     async def _sync_replica_set(self, rs: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         active = [p for p in pods if not is_terminating(p)]
@@ -357,7 +362,7 @@ class DeploymentStandin:
         for _ in range(wanted - len(active)):
             await self._create_pod(rs)
         for pod in pods_to_delete(active, len(active) - wanted):
-            await self.kube.delete(self._path("v1", "pods", pod["metadata"]["name"]))
+            await self.kube.delete("v1", "Pod", pod["metadata"]["name"], self.namespace)
         ready = sum(1 for p in active if is_pod_ready(p))
         status = {
             "replicas": len(active),
@@ -368,8 +373,13 @@ class DeploymentStandin:
         }
         if status != {k: (rs.get("status") or {}).get(k, 0) for k in status}:
             await self.kube.merge_patch(
-                self._path("apps/v1", "replicasets", rs["metadata"]["name"], "status"),
+                "apps/v1",
+                "ReplicaSet",
+                rs["metadata"]["name"],
+                self.namespace,
                 {"status": status},
+                subresource="status",
+                missing_ok=True,
             )
 
     async def _create_pod(self, rs: dict[str, Any]) -> None:
@@ -397,4 +407,4 @@ class DeploymentStandin:
             },
             "spec": {**template["spec"], "nodeName": "local"},
         }
-        await self.kube.create(self._path("v1", "pods"), pod)
+        await self.kube.create(pod)

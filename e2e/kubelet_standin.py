@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import datetime
 import json
 import math
 import os
@@ -52,9 +51,9 @@ from typing import Any
 import httpx
 
 from e2e.deployment_standin import KUBELET_FINALIZER, is_terminating
-from e2e.kube_rest import KubeApiError, KubeRest, collection_path
 from pagedllm.kernels import cpu_extension
 from pagedllm.operator.children import METRICS_PORT_ANNOTATION
+from pagedllm.operator.kube import KubeClient, KubeError, now_rfc3339
 
 HOST_PORTS_ANNOTATION = "e2e.pagedllm.io/host-ports"
 LOOPBACK = "127.0.0.1"
@@ -92,10 +91,6 @@ def resource_field(container: Mapping[str, Any], ref: Mapping[str, Any], name: s
 
 class PodConfigError(Exception):
     """The pod cannot start as specified (a missing Secret key, an unsupported volume)."""
-
-
-def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def free_port(taken: set[int]) -> int:
@@ -269,10 +264,6 @@ class LocalPod:
         self._published: dict[str, Any] | None = None
         self._publish_lock = asyncio.Lock()
 
-    @property
-    def path(self) -> str:
-        return collection_path("v1", "pods", self.kubelet.namespace) + f"/{self.name}"
-
     def log_path(self, container: ContainerRun) -> Path:
         return self.dir / f"{container.name}.log"
 
@@ -319,7 +310,15 @@ class LocalPod:
             status = self.status()
             if status == self._published or not api:
                 return
-            await self.kubelet.kube.merge_patch(self.path + "/status", {"status": status})
+            await self.kubelet.kube.merge_patch(
+                "v1",
+                "Pod",
+                self.name,
+                self.kubelet.namespace,
+                {"status": status},
+                subresource="status",
+                missing_ok=True,
+            )
             self._published = status
 
     # --- starting ----------------------------------------------------------------------------
@@ -337,7 +336,14 @@ class LocalPod:
         metrics_port = self._metrics_container_port(ports)
         if metrics_port in self.host_ports:
             annotations[METRICS_PORT_ANNOTATION] = str(self.host_ports[metrics_port])
-        await self.kubelet.kube.merge_patch(self.path, {"metadata": {"annotations": annotations}})
+        await self.kubelet.kube.merge_patch(
+            "v1",
+            "Pod",
+            self.name,
+            self.kubelet.namespace,
+            {"metadata": {"annotations": annotations}},
+            missing_ok=True,
+        )
 
     def _metrics_container_port(self, ports: Sequence[Mapping[str, Any]]) -> int | None:
         declared = self.annotations.get("prometheus.io/port")
@@ -379,12 +385,12 @@ class LocalPod:
                     f"env {name}: fieldRef {field_ref.get('fieldPath')} is not emulated"
                 )
             return values[field_ref["fieldPath"]]
-        for kind, plural in (("secretKeyRef", "secrets"), ("configMapKeyRef", "configmaps")):
+        for kind, object_kind in (("secretKeyRef", "Secret"), ("configMapKeyRef", "ConfigMap")):
             ref = source.get(kind)
             if ref is None:
                 continue
             obj = await self.kubelet.kube.get(
-                collection_path("v1", plural, self.kubelet.namespace) + f"/{ref['name']}"
+                "v1", object_kind, ref["name"], self.kubelet.namespace
             )
             data = (obj or {}).get("data") or {}
             if ref["key"] not in data:
@@ -594,7 +600,7 @@ class LocalPod:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.task
         running = [c for c in [*self.init_containers, *self.containers] if c.running]
-        with contextlib.suppress(KubeApiError, httpx.HTTPError):
+        with contextlib.suppress(KubeError):
             await self.publish(api=api)
         await asyncio.gather(*(self._pre_stop(c, deadline) for c in running))
         for run in running:
@@ -612,7 +618,7 @@ class LocalPod:
             run.ready = False
         self.finished = True
         if api:
-            with contextlib.suppress(KubeApiError, httpx.HTTPError):
+            with contextlib.suppress(KubeError):
                 await self.publish()
                 await self.kubelet.release(self.name)
 
@@ -650,7 +656,7 @@ class KubeletStandin:
 
     def __init__(
         self,
-        kube: KubeRest,
+        kube: KubeClient,
         namespace: str,
         root: Path,
         bin_dirs: Sequence[str],
@@ -676,7 +682,7 @@ class KubeletStandin:
         await self.http.aclose()
 
     async def sync(self) -> None:
-        pods = await self.kube.list(collection_path("v1", "pods", self.namespace))
+        pods = await self.kube.list("v1", "Pod", self.namespace)
         seen = set()
         for pod in pods:
             uid = pod["metadata"]["uid"]
@@ -703,12 +709,18 @@ class KubeletStandin:
 
     async def release(self, pod_name: str) -> None:
         """Drop this kubelet's finalizer: the API server may now remove the pod."""
-        path = collection_path("v1", "pods", self.namespace) + f"/{pod_name}"
-        pod = await self.kube.get(path)
+        pod = await self.kube.get("v1", "Pod", pod_name, self.namespace)
         if pod is None:
             return
         others = [f for f in pod["metadata"].get("finalizers") or [] if f != KUBELET_FINALIZER]
-        await self.kube.merge_patch(path, {"metadata": {"finalizers": others or None}})
+        await self.kube.merge_patch(
+            "v1",
+            "Pod",
+            pod_name,
+            self.namespace,
+            {"metadata": {"finalizers": others or None}},
+            missing_ok=True,
+        )
 
     def _stop(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import datetime
 import os
 import shutil
 import signal
@@ -24,14 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import kopf
 import yaml
 
 from e2e.deployment_standin import DeploymentStandin
-from e2e.kube_rest import KubeRest
 from e2e.kubelet_standin import LOOPBACK, KubeletStandin, free_port, process_group_members
 from e2e.polling import eventually
 from e2e.service_proxy import ServiceProxies
 from pagedllm.kernels import cpu_extension
+from pagedllm.operator.kube import KubeClient, now_rfc3339
 
 REPO = Path(__file__).resolve().parents[1]
 E2E = REPO / "e2e"
@@ -49,6 +49,8 @@ FAST_OPERATOR_ENV = {
 STANDIN_INTERVAL = 0.25
 # The namespace of the emulator's kubeconfig context, where the stand-ins run things.
 NAMESPACE = "default"
+# How the stand-ins name themselves to the API server (User-Agent, Events).
+STANDINS_AGENT = "pagedllm-e2e-standins"
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -75,14 +77,15 @@ class Standins:
         self._done = asyncio.run_coroutine_threadsafe(self._run(), self.loop)
 
     async def _run(self) -> None:
-        kube = KubeRest(self.server)
+        # The emulator's kubeconfig has no credentials: its server address is the login.
+        kube = KubeClient(lambda: kopf.ConnectionInfo(server=self.server), agent=STANDINS_AGENT)
         deployments = DeploymentStandin(kube, self.namespace)
         self.kubelet = KubeletStandin(kube, self.namespace, self.root / "pods", [str(BIN_DIR)])
         self.proxies = ServiceProxies(kube, self.namespace)
         try:
             while not self._stop.is_set():
                 for sync in (
-                    lambda: deployments.sync(_now()),
+                    lambda: deployments.sync(now_rfc3339()),
                     self.kubelet.sync,
                     self.proxies.sync,
                 ):
@@ -90,7 +93,7 @@ class Standins:
                         await sync()
                     except Exception:
                         with self.log_path.open("a") as log:
-                            log.write(f"{_now()} {traceback.format_exc()}\n")
+                            log.write(f"{now_rfc3339()} {traceback.format_exc()}\n")
                 await asyncio.sleep(STANDIN_INTERVAL)
         finally:
             await self.kubelet.shutdown()
@@ -111,10 +114,6 @@ class Standins:
                     self.kubelet.kill_everything()
                 self.loop.call_soon_threadsafe(self.loop.stop)
                 self.thread.join(timeout=10)
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class LocalProcess:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from e2e.deployment_standin import is_pod_ready
-from e2e.kube_rest import KubeRest, collection_path
 from e2e.kubelet_standin import HOST_PORTS_ANNOTATION, LOOPBACK
+from pagedllm.operator.kube import KubeClient
 
 CHUNK = 64 * 1024
 
@@ -149,7 +149,7 @@ async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 class ServiceProxies:
     """One PortProxy per Service port of the namespace, kept in step with the API."""
 
-    def __init__(self, kube: KubeRest, namespace: str):
+    def __init__(self, kube: KubeClient, namespace: str):
         self.kube = kube
         self.namespace = namespace
         self.proxies: dict[tuple[str, str], PortProxy] = {}
@@ -159,8 +159,8 @@ class ServiceProxies:
         return f"http://{LOOPBACK}:{proxy.port}" if proxy is not None else None
 
     async def sync(self) -> None:
-        services = await self.kube.list(collection_path("v1", "services", self.namespace))
-        pods = await self.kube.list(collection_path("v1", "pods", self.namespace))
+        services = await self.kube.list("v1", "Service", self.namespace)
+        pods = await self.kube.list("v1", "Pod", self.namespace)
         wanted = set()
         for service in services:
             for service_port in service["spec"].get("ports") or []:

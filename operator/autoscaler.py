@@ -12,6 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from pagedllm.operator.spec import AutoscalingSpec
 
 TOLERANCE = 0.1
@@ -92,31 +94,12 @@ def decide(
 
 
 def parse_prometheus_value(text: str, metric_name: str) -> float | None:
-    """Sum of the samples of one metric in Prometheus text exposition (None if absent)."""
-    total, found = 0.0, False
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name_end = len(line)
-        for stop in ("{", " "):
-            position = line.find(stop)
-            if position != -1:
-                name_end = min(name_end, position)
-        if line[:name_end] != metric_name:
-            continue
-        rest = line[name_end:]
-        if rest.startswith("{"):
-            rest = rest[rest.rfind("}") + 1 :]
-        parts = rest.split()
-        if not parts:
-            continue
-        try:
-            value = float(parts[0])
-        except ValueError:
-            continue
-        if math.isnan(value):
-            continue
-        total += value
-        found = True
-    return total if found else None
+    """Sum of the samples of one metric in Prometheus text exposition (None if absent).
+    Raises ValueError for text that is not in the exposition format."""
+    values = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == metric_name and not math.isnan(sample.value)
+    ]
+    return sum(values) if values else None

@@ -7,12 +7,11 @@ import contextlib
 import logging
 from typing import Any
 
-import httpx
 import kopf
 
 from pagedllm.operator.children import LABEL_MANAGED_BY, OPERATOR_NAME
 from pagedllm.operator.config import OperatorConfig
-from pagedllm.operator.kube import ApiError, KubeClient
+from pagedllm.operator.kube import KubeClient, KubeError
 from pagedllm.operator.reconcile import OperatorContext, reconcile
 from pagedllm.operator.spec import GROUP, KIND, PLURAL, VERSION, InvalidSpec
 
@@ -40,7 +39,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.enabled = False
     # One replica (Recreate) by design: no peering objects needed.
     settings.peering.standalone = True
-    # Every API call at INFO would drown the operator's own log lines.
+    # Every /metrics read at INFO would drown the operator's own log lines.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     settings.watching.server_timeout = config.watch_timeout_seconds
     settings.watching.client_timeout = config.watch_timeout_seconds + 30
@@ -100,7 +99,7 @@ async def _resync_one(ctx: OperatorContext, uid: str, namespace: str, name: str)
         await reconcile(ctx, namespace, name, autoscaling=True)
     except InvalidSpec:
         pass  # recorded in status and an Event
-    except (ApiError, httpx.HTTPError) as error:
+    except KubeError as error:
         logger.warning(
             "resync of %s/%s failed, next try in %gs: %s",
             namespace,
@@ -145,7 +144,7 @@ async def _reconcile_owner(
         await reconcile(ctx, meta["namespace"], owner_name)
     except InvalidSpec:
         pass  # recorded in status and an Event
-    except (ApiError, httpx.HTTPError) as error:
+    except KubeError as error:
         logger.warning("reconcile of %s after a child event failed: %s", owner_name, error)
 
 

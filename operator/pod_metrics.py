@@ -48,7 +48,11 @@ async def _read_one(client: httpx.AsyncClient, url: str, metric_name: str) -> fl
     except httpx.HTTPError as error:
         logger.info("metrics of %s unavailable: %s", url, error)
         return None
-    value = parse_prometheus_value(response.text, metric_name)
+    try:
+        value = parse_prometheus_value(response.text, metric_name)
+    except ValueError as error:
+        logger.info("%s is not Prometheus text: %s", url, error)
+        return None
     if value is None:
         logger.info("%s does not export %s", url, metric_name)
     return value

@@ -4,7 +4,6 @@ builders, status and autoscaler)."""
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 import time
 from collections.abc import Mapping
@@ -19,7 +18,7 @@ from pagedllm.operator.children import (
     service_url,
 )
 from pagedllm.operator.config import OperatorConfig
-from pagedllm.operator.kube import KubeClient, resource_path
+from pagedllm.operator.kube import KubeClient, now_rfc3339
 from pagedllm.operator.pod_metrics import is_ready, read_ready_pods
 from pagedllm.operator.spec import (
     API_VERSION,
@@ -36,10 +35,6 @@ from pagedllm.operator.status import DEGRADED, Observed, compute_status, newly_t
 logger = logging.getLogger(__name__)
 
 SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
-
-
-def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -75,26 +70,17 @@ class OperatorContext:
             or now - self._service_monitors[0] > self.config.discovery_cache_seconds
         ):
             crd = await self.kube.get(
-                resource_path(
-                    "apiextensions.k8s.io/v1", "CustomResourceDefinition", name=SERVICE_MONITOR_CRD
-                )
+                "apiextensions.k8s.io/v1", "CustomResourceDefinition", SERVICE_MONITOR_CRD
             )
             self._service_monitors = (now, crd is not None)
         return self._service_monitors[1]
-
-
-def pagedllm_path(namespace: str, name: str, subresource: str | None = None) -> str:
-    return resource_path(API_VERSION, KIND, namespace, name, subresource)
 
 
 async def _check_references(kube: KubeClient, owner: Owner, spec: PagedLLMSpec) -> None:
     """What the schema cannot know: the model's claim must exist."""
     if spec.model.source.kind is ModelSourceKind.PVC:
         claim = spec.model.source.claim
-        if (
-            await kube.get(resource_path("v1", "PersistentVolumeClaim", owner.namespace, claim))
-            is None
-        ):
+        if await kube.get("v1", "PersistentVolumeClaim", claim, owner.namespace) is None:
             raise InvalidSpec(
                 f'PersistentVolumeClaim "{claim}" (from spec.model.uri) does not '
                 f'exist in namespace "{owner.namespace}"'
@@ -114,8 +100,9 @@ async def _apply_children(
 ) -> None:
     children = build_children(owner, spec, replicas, await ctx.service_monitors_available())
     for manifest in children.wanted:
-        path = resource_path(manifest["apiVersion"], manifest["kind"], owner.namespace, owner.name)
-        existing = await ctx.kube.get(path)
+        existing = await ctx.kube.get(
+            manifest["apiVersion"], manifest["kind"], owner.name, owner.namespace
+        )
         if existing is not None and not _owned_by(existing, owner):
             raise InvalidSpec(
                 f'{manifest["kind"]} "{owner.name}" already exists and belongs '
@@ -123,22 +110,17 @@ async def _apply_children(
             )
         await ctx.kube.apply(manifest)
     for ref in children.unwanted:
-        path = resource_path(ref.api_version, ref.kind, owner.namespace, ref.name)
-        existing = await ctx.kube.get(path)
+        existing = await ctx.kube.get(ref.api_version, ref.kind, ref.name, owner.namespace)
         if existing is not None and _owned_by(existing, owner):
-            await ctx.kube.delete(path)
+            await ctx.kube.delete(ref.api_version, ref.kind, ref.name, owner.namespace)
 
 
 async def _pods(ctx: OperatorContext, owner: Owner) -> list[dict[str, Any]]:
-    return await ctx.kube.list(
-        resource_path("v1", "Pod", owner.namespace), selector_string(owner.name)
-    )
+    return await ctx.kube.list("v1", "Pod", owner.namespace, selector_string(owner.name))
 
 
 async def _observe(ctx: OperatorContext, owner: Owner) -> Observed:
-    deployment = await ctx.kube.get(
-        resource_path("apps/v1", "Deployment", owner.namespace, owner.name)
-    )
+    deployment = await ctx.kube.get("apps/v1", "Deployment", owner.name, owner.namespace)
     return Observed(deployment=deployment, pods=await _pods(ctx, owner))
 
 
@@ -150,7 +132,12 @@ async def _write_status(
         return
     metadata = body["metadata"]
     await ctx.kube.merge_patch(
-        pagedllm_path(metadata["namespace"], metadata["name"], "status"), {"status": status}
+        API_VERSION,
+        KIND,
+        metadata["name"],
+        metadata["namespace"],
+        {"status": status},
+        subresource="status",
     )
     became_degraded = newly_true(previous.get("conditions") or [], status["conditions"], DEGRADED)
     if became_degraded is not None:
@@ -159,7 +146,6 @@ async def _write_status(
             type="Warning",
             reason=became_degraded["reason"],
             message=became_degraded["message"],
-            now=now_rfc3339(),
         )
 
 
@@ -173,7 +159,7 @@ async def reconcile(
     must not act on what that one has just changed (e.g. apply replicas from before /scale).
     Raises InvalidSpec (after recording it in status) for a spec that cannot be served."""
     async with ctx.lock(namespace, name):
-        body = await ctx.kube.get(pagedllm_path(namespace, name))
+        body = await ctx.kube.get(API_VERSION, KIND, name, namespace)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
         await _reconcile(ctx, body)
@@ -242,18 +228,24 @@ async def _autoscale(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
         return
     # Everyone scales through /scale: the Deployment follows spec.replicas on the next reconcile.
     await ctx.kube.merge_patch(
-        pagedllm_path(owner.namespace, owner.name, "scale"),
+        API_VERSION,
+        KIND,
+        owner.name,
+        owner.namespace,
         {"spec": {"replicas": decision.replicas}},
+        subresource="scale",
     )
     if not decision.changes(current):
         return  # spec.replicas was only unset or out of bounds; the replicas do not move
     await ctx.kube.merge_patch(
-        pagedllm_path(owner.namespace, owner.name, "status"),
+        API_VERSION,
+        KIND,
+        owner.name,
+        owner.namespace,
         {"status": {"desiredReplicas": decision.replicas, "lastScaleTime": now_rfc3339()}},
+        subresource="status",
     )
     direction = "ScaledUp" if decision.replicas > current else "ScaledDown"
     message = f"{current} -> {decision.replicas} replicas: {decision.explanation}"
     logger.info("%s/%s %s", owner.namespace, owner.name, message)
-    await ctx.kube.post_event(
-        body, type="Normal", reason=direction, message=message, now=now_rfc3339()
-    )
+    await ctx.kube.post_event(body, type="Normal", reason=direction, message=message)
