@@ -2,42 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-from collections.abc import Callable
-from pathlib import Path
-
 import pytest
 
-from tests.operator.operator_harness import CRD_PATH, SAMPLES, Kube, eventually
+from tests.operator.operator_harness import CRD_PATH, SAMPLES, Kube, Kubectl, eventually
 
 pytestmark = pytest.mark.usefixtures("operator_process")
-
-KUBECTL = shutil.which("kubectl")
-
-
-Kubectl = Callable[..., subprocess.CompletedProcess[str]]
-
-
-@pytest.fixture
-def kubectl(kubeconfig: Path, namespace: str) -> Kubectl:
-    if KUBECTL is None:
-        pytest.fail("kubectl is not on PATH; this suite needs the real kubectl")
-
-    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [KUBECTL, "--namespace", namespace, *args],
-            text=True,
-            capture_output=True,
-            timeout=60,
-            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
-        )
-        if check and result.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed:\n{result.stderr}")
-        return result
-
-    return run
 
 
 def test_apply_get_scale_wait_delete(kubectl: Kubectl, kube: Kube, namespace: str) -> None:
