@@ -1,6 +1,7 @@
 """The OpenAPI documents kubectl reads: v3 (`/openapi/v3`, one document per group version)
 for `kubectl explain` and to learn that the server validates fields itself (each resource's
-PATCH declares `fieldValidation`), and v2 (`/openapi/v2`, JSON only) for older clients.
+PATCH declares `fieldValidation`), and v2 (`/openapi/v2`, JSON or protobuf) where v3 is not
+used: `kubectl explain --output plaintext-openapiv2`, and kubectl's client-side validation.
 
 Custom resources are published with their CRD's schema, as a real API server does; the
 built-in kinds only with their top-level fields (the emulator has no Go types to derive their
@@ -89,7 +90,8 @@ def definition_name(rtype: ResourceType) -> str:
     """The name a real API server gives the kind's schema: io.k8s.api.apps.v1.Deployment,
     and the reversed group for custom resources (io.pagedllm.v1alpha1.PagedLLM)."""
     if rtype.schema is None:
-        return f"io.k8s.api.{rtype.group or 'core'}.{rtype.version}.{rtype.kind}"
+        short_group = rtype.group.split(".")[0] or "core"
+        return f"io.k8s.api.{short_group}.{rtype.version}.{rtype.kind}"
     reversed_group = ".".join(reversed(rtype.group.split(".")))
     return f"{reversed_group}.{rtype.version}.{rtype.kind}"
 
@@ -100,9 +102,11 @@ def kind_schema(rtype: ResourceType, refs: str) -> dict[str, Any]:
     properties = schema.setdefault("properties", {})
     properties["apiVersion"] = {**API_VERSION_FIELD, **properties.get("apiVersion", {})}
     properties["kind"] = {**KIND_FIELD, **properties.get("kind", {})}
+    # Swagger 2.0 takes no siblings of a $ref; OpenAPI 3.0 wraps it in allOf to keep them.
+    meta_ref = {"$ref": refs + OBJECT_META}
     properties["metadata"] = {
         "description": "Standard object's metadata.",
-        "allOf": [{"$ref": refs + OBJECT_META}],
+        **(meta_ref if refs == V2_REFS else {"allOf": [meta_ref]}),
     }
     schema["x-kubernetes-group-version-kind"] = [
         {"group": rtype.group, "version": rtype.version, "kind": rtype.kind}

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from e2e.emulator import discovery, openapi
+from e2e.emulator import discovery, openapi, openapi_v2_proto
 from e2e.emulator.errors import ApiError, bad_request, invalid, no_such_resource
 from e2e.emulator.objects import set_path
 from e2e.emulator.patches import (
@@ -81,11 +81,6 @@ async def _body(request: web.Request) -> dict[str, Any]:
     if "yaml" in request.headers.get("Content-Type", ""):
         return yaml.safe_load(text) or {}
     return json.loads(text or "{}")
-
-
-def _accepts_json(request: web.Request) -> bool:
-    accept = request.headers.get("Accept", "")
-    return not accept or "application/json" in accept or "*/*" in accept
 
 
 class EmulatorServer:
@@ -290,10 +285,7 @@ class EmulatorServer:
         if path in HEALTH_PATHS:
             return web.Response(text="ok")
         if path == "/openapi/v2":
-            if not _accepts_json(request):
-                # kubectl asks for protobuf, which is not served; it reads v3 instead.
-                raise ApiError(406, "NotAcceptable", "/openapi/v2 is served as JSON only")
-            return _json(openapi.v2(sorted(self.emulator.types.values(), key=_type_order)))
+            return self._openapi_v2(request)
         if path == "/openapi/v3":
             groups = self.emulator.groups()
             group_versions = [(g, v) for g, versions in groups.items() for v in versions]
@@ -302,6 +294,20 @@ class EmulatorServer:
             return _json(self._openapi_v3_group_version(path[len("/openapi/v3/") :]))
         document = discovery.document(self.emulator, path)
         return None if document is None else _json(document)
+
+    def _openapi_v2(self, request: web.Request) -> web.Response:
+        document = openapi.v2(sorted(self.emulator.types.values(), key=_type_order))
+        accept = request.headers.get("Accept", "")
+        if openapi_v2_proto.MEDIA_TYPE in accept:
+            return web.Response(
+                # As a real server: the media type asked for has an @, which is no valid
+                # Content-Type.
+                body=openapi_v2_proto.document(document),
+                content_type="application/octet-stream",
+            )
+        if not accept or "application/json" in accept or "*/*" in accept:
+            return _json(document)
+        raise ApiError(406, "NotAcceptable", f"/openapi/v2 is not served as {accept}")
 
     def _openapi_v3_group_version(self, gv_path: str) -> dict[str, Any]:
         parts = gv_path.split("/")

@@ -13,7 +13,16 @@ from typing import Any
 
 import yaml
 
-from tests.operator.operator_harness import REPO, Kube, Kubectl, kubectl_for
+from tests.operator.operator_harness import (
+    CRD_PATH,
+    REPO,
+    SAMPLES,
+    EmulatorThread,
+    Kube,
+    Kubectl,
+    kubeconfig_text,
+    kubectl_for,
+)
 
 
 def rows(output: str) -> list[list[str]]:
@@ -38,6 +47,11 @@ def test_explain_prints_the_fields_of_the_crd_schema(kubectl: Kubectl, crd: dict
     assert "FIELD: servedName <string>" in nested
     top = kubectl("explain", "pagedllm").stdout
     assert "metadata\t<ObjectMeta>" in top
+
+    # The same from OpenAPI v2, which kubectl reads in protobuf.
+    v2 = kubectl("explain", "pagedllm.spec", "--output", "plaintext-openapiv2").stdout
+    assert "RESOURCE: spec <Object>" in v2
+    assert re.findall(r"^   (\w+)\t", v2, flags=re.MULTILINE) == sorted(spec["properties"])
 
 
 def test_get_deployments_shows_readiness_from_the_status(
@@ -190,6 +204,32 @@ def test_get_services_and_replicasets(kubectl: Kubectl, namespace: str) -> None:
     replicasets = rows(kubectl("get", "rs").stdout)
     assert replicasets[0] == ["NAME", "DESIRED", "CURRENT", "READY", "AGE"]
     assert replicasets[1][:4] == ["web-5d9c", "2", "0", "0"]
+
+
+def test_crd_and_custom_resource_in_one_apply_fail_as_on_a_cluster(tmp_path: Path) -> None:
+    """Before the CRD exists its kind is in no OpenAPI v3 document: kubectl validates the
+    sample against OpenAPI v2 (protobuf), which passes, and then finds no such kind, as on a
+    real cluster (hence the README's wait)."""
+    with EmulatorThread() as fresh:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(kubeconfig_text(fresh.url))
+        kubectl = kubectl_for(kubeconfig, "default")
+        result = kubectl(
+            "apply",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "-f",
+            str(CRD_PATH),
+            "-f",
+            str(SAMPLES / "demo-cpu.yaml"),
+            check=False,
+        )
+    assert "customresourcedefinition.apiextensions.k8s.io/pagedllms.pagedllm.io created" in (
+        result.stdout
+    )
+    assert "error validating" not in result.stderr
+    assert 'no matches for kind "PagedLLM"' in result.stderr
+    assert "ensure CRDs are installed first" in result.stderr
 
 
 def readme_example() -> list[str]:
