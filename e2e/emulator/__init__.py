@@ -16,7 +16,7 @@ or in-process from tests with `EmulatorThread`.
 
 Modules, from the bottom up: resources (the kinds), errors, objects (timestamps, field
 paths), patches, selectors, events, crd_validation, store (the cluster's state), routing,
-tables, watches, discovery, openapi, server (HTTP), running.
+tables, watches, discovery, openapi and openapi_v2_proto, server (HTTP), running.
 """
 
 from e2e.emulator.running import EmulatorThread, kubeconfig_text

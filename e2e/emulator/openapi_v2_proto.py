@@ -80,7 +80,8 @@ def _strings(number: int, values: list[str]) -> bytes:
 
 def _additional_properties(number: int, value: Any) -> bytes:
     if isinstance(value, bool):
-        return _bytes(number, _bool(2, value) or b"\x10\x00")
+        # Inside a oneof a false still has to be written, or nothing is chosen.
+        return _bytes(number, _key(2, _VARINT) + (b"\x01" if value else b"\x00"))
     return _bytes(number, _bytes(1, schema(value)))
 
 

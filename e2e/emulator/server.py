@@ -26,8 +26,8 @@ from e2e.emulator.resources import BUILTIN_TYPES, SCALE_SUBRESOURCE, ResourceTyp
 from e2e.emulator.routing import ResourceRequest, parse_resource_path
 from e2e.emulator.selectors import Selection, parse_field_selector, parse_label_selector
 from e2e.emulator.store import KubeEmulator
-from e2e.emulator.tables import table
-from e2e.emulator.watches import WatchOptions, WatchStream
+from e2e.emulator.tables import table, wants_table
+from e2e.emulator.watches import WatchOptions, WatchStream, truthy
 
 HEALTH_PATHS = ("/healthz", "/livez", "/readyz")
 APPLY_PATCH = "application/apply-patch+yaml"
@@ -50,11 +50,9 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(data), status=status, content_type="application/json")
 
 
-def _wants_table(request: web.Request) -> bool:
-    return "as=Table" in request.headers.get("Accept", "")
-
-
-def _table_of(request: web.Request, em: KubeEmulator, rtype: ResourceType, items: list) -> Any:
+def _table_of(
+    request: web.Request, em: KubeEmulator, rtype: ResourceType, items: list[dict[str, Any]]
+) -> dict[str, Any]:
     include_object = request.query.get("includeObject", "PartialObjectMetadata")
     return table(rtype, items, include_object, em.revision)
 
@@ -67,7 +65,7 @@ def _selection(query: Any, namespace: str | None) -> Selection:
     )
 
 
-def _list_of(em: KubeEmulator, rtype: ResourceType, items: list) -> dict[str, Any]:
+def _list_of(em: KubeEmulator, rtype: ResourceType, items: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "kind": f"{rtype.kind}List",
         "apiVersion": rtype.api_version,
@@ -157,13 +155,13 @@ class EmulatorServer:
                 for item in em.list(rtype, selection)
             ]
             return _json(_list_of(em, rtype, deleted))
-        if request.query.get("watch") in ("true", "1", "True"):
+        if truthy(request.query.get("watch")):
             stream = WatchStream(
                 em, rtype, selection, WatchOptions.from_request(request), self.bookmark_interval
             )
             return await stream.run(request, self._stopping)
         items = em.list(rtype, selection)
-        if _wants_table(request):
+        if wants_table(request.headers.get("Accept", "")):
             return _json(_table_of(request, em, rtype, items))
         return _json(_list_of(em, rtype, items))
 
@@ -184,7 +182,7 @@ class EmulatorServer:
             obj = em.get(rtype, namespace, name)
             if sub == SCALE_SUBRESOURCE:
                 return _json(em.scale_of(rtype, obj))
-            if _wants_table(request):
+            if wants_table(request.headers.get("Accept", "")):
                 return _json(_table_of(request, em, rtype, [obj]))
             return _json(obj)
         if method == "DELETE":

@@ -37,6 +37,11 @@ class Column:
         }
 
 
+def wants_table(accept: str) -> bool:
+    """Whether a request's Accept header asks for a Table."""
+    return "as=Table" in accept
+
+
 def table(
     rtype: ResourceType, items: list[dict[str, Any]], include_object: str, revision: int
 ) -> dict[str, Any]:

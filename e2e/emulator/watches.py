@@ -15,7 +15,7 @@ from e2e.emulator.events import Watcher, translate
 from e2e.emulator.resources import ResourceType
 from e2e.emulator.selectors import Selection
 from e2e.emulator.store import KubeEmulator
-from e2e.emulator.tables import table
+from e2e.emulator.tables import table, wants_table
 
 DEFAULT_TIMEOUT = 1800.0  # seconds, when the client names none
 
@@ -41,15 +41,16 @@ class WatchOptions:
             raise bad_request(f"invalid timeoutSeconds: {query['timeoutSeconds']!r}") from None
         return cls(
             since=since,
-            send_initial=_truthy(query.get("sendInitialEvents")),
-            bookmarks=_truthy(query.get("allowWatchBookmarks")),
+            send_initial=truthy(query.get("sendInitialEvents")),
+            bookmarks=truthy(query.get("allowWatchBookmarks")),
             timeout=timeout,
-            as_table="as=Table" in request.headers.get("Accept", ""),
+            as_table=wants_table(request.headers.get("Accept", "")),
             include_object=query.get("includeObject", "PartialObjectMetadata"),
         )
 
 
-def _truthy(value: str | None) -> bool:
+def truthy(value: str | None) -> bool:
+    """A boolean query parameter as the API server reads one."""
     return value in ("true", "1", "True")
 
 

@@ -70,5 +70,7 @@ def test_apply_get_scale_wait_delete(kubectl: Kubectl, kube: Kube, namespace: st
     assert "minReplicas must not exceed maxReplicas" in rejected.stderr
 
     kubectl("delete", "pllm", "demo", "--timeout=20s")
-    assert kube.get(deployment) is None  # garbage-collected through its ownerReference
+    # Garbage-collected through its ownerReference, in the background as on a cluster (and
+    # again should the operator have written it once more just before the delete).
+    eventually(lambda: kube.get(deployment) is None, what="the Deployment to be collected")
     assert "No resources found" in kubectl("get", "pllm").stderr
