@@ -162,7 +162,7 @@ class LocalCluster:
             [
                 sys.executable,
                 "-m",
-                "e2e.kube_emulator",
+                "e2e.emulator",
                 "--port",
                 "0",
                 "--kubeconfig",

@@ -14,8 +14,10 @@ from tests.operator.operator_harness import (
     KOPF_RUN,
     EmulatorThread,
     Kube,
+    Kubectl,
     OperatorProcess,
     kubeconfig_text,
+    kubectl_for,
     load_crd,
 )
 
@@ -61,6 +63,11 @@ def namespace(kube: Kube) -> str:
     name = f"t-{uuid.uuid4().hex[:8]}"
     kube.create("/api/v1/namespaces", {"metadata": {"name": name}})
     return name
+
+
+@pytest.fixture
+def kubectl(kubeconfig: Path, namespace: str) -> Kubectl:
+    return kubectl_for(kubeconfig, namespace)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,8 @@ import httpx
 import yaml
 
 # Re-exported for the fixtures (explicit `as` marks the re-export).
-from e2e.kube_emulator import EmulatorThread as EmulatorThread
-from e2e.kube_emulator import kubeconfig_text as kubeconfig_text
+from e2e.emulator import EmulatorThread as EmulatorThread
+from e2e.emulator import kubeconfig_text as kubeconfig_text
 from e2e.polling import eventually as _eventually
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,6 +37,36 @@ OPERATOR_ENV = {
     "PAGEDLLM_OPERATOR_METRICS_TIMEOUT_SECONDS": "1",
     "PAGEDLLM_OPERATOR_DISCOVERY_CACHE_SECONDS": "0.5",
 }
+
+
+KUBECTL = shutil.which("kubectl")
+
+Kubectl = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def kubectl_for(kubeconfig: Path, namespace: str) -> Kubectl:
+    """The real kubectl on the PATH, against the cluster of `kubeconfig`, in `namespace`;
+    a failing command fails the test unless called with check=False."""
+    if KUBECTL is None:
+        raise AssertionError("kubectl is not on PATH; this suite needs the real kubectl")
+    kubectl = KUBECTL
+
+    def run(
+        *args: str, check: bool = True, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [kubectl, "--namespace", namespace, *args],
+            input=stdin,
+            text=True,
+            capture_output=True,
+            timeout=60,
+            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed:\n{result.stderr}")
+        return result
+
+    return run
 
 
 class Kube:

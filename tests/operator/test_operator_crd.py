@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e import crd_validation
+from e2e.emulator import crd_validation
 from pagedllm.operator.spec import parse_spec
 from tests.operator.operator_harness import SAMPLES, load_crd
 

@@ -313,7 +313,7 @@ def test_runs_standalone_with_a_kubeconfig(tmp_path: Any) -> None:
         [
             sys.executable,
             "-m",
-            "e2e.kube_emulator",
+            "e2e.emulator",
             "--port",
             str(port),
             "--kubeconfig",
