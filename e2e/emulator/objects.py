@@ -6,9 +6,7 @@ import datetime
 import re
 from typing import Any
 
-
-def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+from pagedllm.operator.kube import now_rfc3339 as now_rfc3339
 
 
 def age(timestamp: str | None) -> str:
