@@ -31,8 +31,7 @@ from pagedllm.core.step_plan import (
     StepPlan,
     StepResult,
 )
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.sampler import derive_seed
+from pagedllm.sampling_params import SamplingParams, derive_seed
 
 
 @dataclass
