@@ -3,7 +3,9 @@
 Each step: running sequences first (decode tokens and unfinished prefill chunks), newest
 preempted when blocks run out; then waiting sequences in arrival order, prefilled in chunks
 as the budget allows. A sequence catches up ``num_computed_tokens`` to ``num_tokens`` whatever
-brought it behind (a new prompt, a prefix hit, a resumption after preemption).
+brought it behind (a new prompt, a prefix hit, a resumption after preemption). The workers'
+results come back through ``update``; what the workers hold (``worker_view``), beam selection
+(``beam_search``) and what is reported (``reporting``) each have their own module.
 """
 
 from __future__ import annotations
