@@ -61,9 +61,6 @@ class WorkerView:
         self._gone: list[int] = []
         self._step_ids = itertools.count()
 
-    def holds(self, seq_id: int) -> bool:
-        return seq_id in self._held
-
     def forget(self, seq: Sequence) -> None:
         """``seq`` left the running batch (preempted or finished): the workers drop it."""
         if self._held.pop(seq.seq_id, None) is not None:
