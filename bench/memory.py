@@ -69,7 +69,7 @@ def filled_slots(seqs: list, block_size: int) -> tuple[int, int]:
     filled: dict[int, int] = {}
     for seq in seqs:
         kv = seq.num_kv_tokens
-        for i, block in enumerate(seq.block_ids):
+        for i, block in enumerate(seq.blocks.ids):
             n = max(0, min(block_size, kv - i * block_size))
             filled[block] = max(filled.get(block, 0), n)
     return len(filled), sum(filled.values())
@@ -227,8 +227,8 @@ def run_sharing(workload: common.Workload, kind: str, width: int, max_model_len:
     while engine.has_unfinished_requests():
         engine.step()
         seqs = live_seqs(scheduler)
-        shared = len({b for s in seqs for b in s.block_ids})
-        unshared = sum(len(s.block_ids) for s in seqs)
+        shared = len({b for s in seqs for b in s.blocks.ids})
+        unshared = sum(len(s.blocks.ids) for s in seqs)
         shared_sum += shared
         unshared_sum += unshared
         shared_series.append(shared)

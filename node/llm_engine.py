@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from pagedllm.core.reporting import SchedulerStats
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.models.loader import load_tokenizer
 from pagedllm.output.processor import RequestOutputState
 from pagedllm.outputs import RequestOutput

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.core.request_delta import RequestTimings
+
 
 @dataclass
 class CompletionOutput:
@@ -20,14 +22,6 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestMetrics:
-    arrival_time: float
-    time_in_queue: float | None = None
-    first_token_time: float | None = None  # seconds after arrival
-    finished_time: float | None = None  # seconds after arrival
-
-
-@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -35,8 +29,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: RequestMetrics
-    num_cached_tokens: int = 0
+    metrics: RequestTimings
     error: str | None = None
 
 

@@ -34,7 +34,6 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0
     stop_strings: list[str] = field(init=False, repr=False)
@@ -154,10 +153,6 @@ class SamplingParams:
     def beam_width(self) -> int:
         return self.num_sequences
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 @dataclass
 class BeamSearchParams:
@@ -193,6 +188,29 @@ class BeamSearchParams:
             ignore_eos=self.ignore_eos,
             length_penalty=self.length_penalty,
         )
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix_seed(seed: int, salt: int) -> int:
+    """A non-negative 63-bit seed of its own for each ``salt`` (SplitMix64): nearby salts give
+    unrelated seeds."""
+    return _splitmix64(seed ^ _splitmix64(salt)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def derive_seed(seed: int | None, index: int) -> int | None:
+    """Seed of the ``index``-th sequence of a request (index 0 keeps the request's seed)."""
+    if seed is None or index == 0:
+        return seed
+    return mix_seed(seed, index)
 
 
 def _require(ok: bool, name: str, rule: str, value: object) -> None:

@@ -188,11 +188,11 @@ def test_four_sequences_share_the_prompt_blocks(checkpoints, kind):
     engine.add_request({"prompt_token_ids": prompt}, params, request_id="r")
     request = engine.scheduler.requests["r"]
     step_until(engine, lambda: len([s for s in request.seqs if s.num_output_tokens >= 2]) == 4)
-    prompt_blocks = request.seqs[0].block_ids[:4]
+    prompt_blocks = request.seqs[0].blocks.ids[:4]
     pool = engine.scheduler.block_manager.pool
     for block_id in prompt_blocks:
         assert pool.blocks[block_id].ref_count == 4
-        assert all(s.block_ids[:4] == prompt_blocks for s in request.seqs)
+        assert all(s.blocks.ids[:4] == prompt_blocks for s in request.seqs)
     # 4 shared prompt blocks plus at most one own block per sequence (beams forked from one
     # parent may still share theirs), against 4 * 5 without sharing.
     assert 4 + 1 <= blocks_in_use(engine) <= 4 + 4

@@ -186,6 +186,6 @@ class Generation:
         if delta.finished:
             self.metrics.e2e.observe(now - request.arrival)
             if delta.timings is not None:
-                self.metrics.queue.observe(delta.timings.queued)
+                self.metrics.queue.observe(delta.timings.time_in_queue)
             outputs = request.state.output().outputs
             self.metrics.finished((outputs[0].finish_reason if outputs else None) or "abort")

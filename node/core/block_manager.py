@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedllm.core.block_pool import BlockPool
-from pagedllm.core.sequence import Sequence
+from pagedllm.core.sequence import BlockTable, Sequence
 
 
 def root_hash(seed: int) -> bytes:
@@ -53,7 +53,7 @@ class BlockManager:
     def _full_block_hashes(self, seq: Sequence) -> list[bytes]:
         """Hashes of the sequence's full blocks, extended as tokens arrive."""
         bs = self.block_size
-        hashes = seq.block_hashes
+        hashes = seq.blocks.hashes
         for i in range(len(hashes), seq.num_tokens // bs):
             parent = hashes[-1] if hashes else self._root
             hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
@@ -76,7 +76,7 @@ class BlockManager:
         if hit is not None and hit.block_ids:
             # Keep at least one token to compute, for the logits of the next token.
             return hit.block_ids, min(hit.num_tokens, seq.num_tokens - 1), hit.num_tokens
-        return seq.block_ids, seq.num_computed_tokens, seq.num_kv_tokens
+        return seq.blocks.ids, seq.num_computed_tokens, seq.num_kv_tokens
 
     def _copy_target(self, table: list[int], computed: int, kv_tokens: int) -> int | None:
         """Index of a shared block the next write lands in (it must be copied first)."""
@@ -110,37 +110,37 @@ class BlockManager:
             self.prefix_hits += hit.num_tokens
             for block_id in hit.block_ids:
                 self.pool.acquire(block_id)
-            seq.block_ids, seq.num_computed_tokens, seq.num_kv_tokens = self._layout(seq, hit)
-            seq.block_ids = list(seq.block_ids)
-            seq.num_registered_blocks = len(hit.block_ids)
-        index = self._copy_target(seq.block_ids, seq.num_computed_tokens, seq.num_kv_tokens)
+            table, seq.num_computed_tokens, seq.num_kv_tokens = self._layout(seq, hit)
+            seq.blocks.ids = list(table)
+            seq.blocks.num_registered = len(hit.block_ids)
+        ids = seq.blocks.ids
+        index = self._copy_target(ids, seq.num_computed_tokens, seq.num_kv_tokens)
         if index is not None:
-            old = seq.block_ids[index]
+            old = ids[index]
             new = self.pool.allocate()
             self.pending_copies.append((old, new))
             self.pool.release(old)
-            seq.block_ids[index] = new
-            # The workers' copy of the table must be resent from the replaced entry on.
-            seq.worker_blocks = min(seq.worker_blocks, index)
+            ids[index] = new
         end = max(seq.num_computed_tokens + num_new_tokens, seq.num_kv_tokens)
-        for _ in range(self.blocks_needed(end) - len(seq.block_ids)):
-            seq.block_ids.append(self.pool.allocate())
+        for _ in range(self.blocks_needed(end) - len(ids)):
+            ids.append(self.pool.allocate())
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares all of ``parent``'s blocks; a write to a shared one copies it."""
-        for block_id in parent.block_ids:
+        table = parent.blocks
+        for block_id in table.ids:
             self.pool.acquire(block_id)
-        child.block_ids = list(parent.block_ids)
-        child.block_hashes = list(parent.block_hashes[: len(parent.block_ids)])
-        child.num_registered_blocks = parent.num_registered_blocks
+        child.blocks = BlockTable(
+            list(table.ids), list(table.hashes[: len(table.ids)]), table.num_registered
+        )
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first so the prefix is evicted last."""
-        for block_id in reversed(seq.block_ids):
+        for block_id in reversed(seq.blocks.ids):
             self.pool.release(block_id)
-        seq.block_ids = []
-        seq.num_registered_blocks = 0
+        seq.blocks.ids = []
+        seq.blocks.num_registered = 0
         seq.num_kv_tokens = 0
         seq.num_computed_tokens = 0
 
@@ -149,12 +149,12 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_kv_tokens, seq.num_tokens) // self.block_size
-        if num_full <= seq.num_registered_blocks:
+        if num_full <= seq.blocks.num_registered:
             return
         hashes = self._full_block_hashes(seq)
-        for i in range(seq.num_registered_blocks, num_full):
-            self.pool.register(seq.block_ids[i], hashes[i])
-        seq.num_registered_blocks = num_full
+        for i in range(seq.blocks.num_registered, num_full):
+            self.pool.register(seq.blocks.ids[i], hashes[i])
+        seq.blocks.num_registered = num_full
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -1,4 +1,4 @@
-"""What the scheduler reports about a request after a step: new tokens and finishes."""
+"""What the scheduler reports about a request after a step: new tokens, finishes and timings."""
 
 from __future__ import annotations
 
@@ -18,10 +18,24 @@ class SeqDelta:
 
 @dataclass
 class RequestTimings:
-    arrival: float
-    queued: float  # seconds waiting before first scheduled
-    first_token: float | None  # seconds from arrival to first token
-    finished: float | None  # seconds from arrival to finish
+    """When a request reached each stage, in ``time.monotonic()`` seconds (vLLM's names).
+
+    The scheduler stamps them as the request moves; the final delta carries them, and the
+    offline API returns them as ``RequestOutput.metrics``.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float:
+        """Seconds from arrival to first scheduled (to the end, for one never scheduled)."""
+        start = self.first_scheduled_time
+        if start is None:
+            start = self.finished_time if self.finished_time is not None else self.arrival_time
+        return start - self.arrival_time
 
 
 @dataclass
@@ -34,7 +48,7 @@ class RequestDelta:
     # With best_of > n or beam search, the indices of the sequences to return, best first.
     final_order: list[int] | None = None
     error: str | None = None
-    num_cached_tokens: int = 0
+    # Sent with the final delta.
     timings: RequestTimings | None = None
     # When several steps were merged into one delta: when each produced its tokens
     # (time.monotonic()), for inter-token latency.

@@ -3,7 +3,9 @@
 Each step: running sequences first (decode tokens and unfinished prefill chunks), newest
 preempted when blocks run out; then waiting sequences in arrival order, prefilled in chunks
 as the budget allows. A sequence catches up ``num_computed_tokens`` to ``num_tokens`` whatever
-brought it behind (a new prompt, a prefix hit, a resumption after preemption).
+brought it behind (a new prompt, a prefix hit, a resumption after preemption). The workers'
+results come back through ``update``; what the workers hold (``worker_view``), beam selection
+(``beam_search``) and what is reported (``reporting``) each have their own module.
 """
 
 from __future__ import annotations
@@ -13,26 +15,15 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from pagedllm.core import reporting
+from pagedllm.core.beam_search import BeamSearch
 from pagedllm.core.block_manager import BlockManager
-from pagedllm.core.request_delta import RequestDelta, RequestTimings, SeqDelta
-from pagedllm.core.sequence import (
-    FinishReason,
-    Request,
-    RequestTimes,
-    Sequence,
-    SequenceStatus,
-)
-from pagedllm.core.step_plan import (
-    LAST_SAMPLE,
-    NewSequence,
-    RunningUpdate,
-    SamplingSpec,
-    SeqSample,
-    StepPlan,
-    StepResult,
-)
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.sampler import derive_seed
+from pagedllm.core.reporting import SchedulerStats
+from pagedllm.core.request_delta import RequestDelta, RequestTimings
+from pagedllm.core.sequence import FinishReason, Request, Sequence, SequenceStatus
+from pagedllm.core.step_plan import LAST_SAMPLE, PromptLogprobs, SeqSample, StepPlan, StepResult
+from pagedllm.core.worker_view import WorkerView
+from pagedllm.sampling_params import SamplingParams, derive_seed
 
 
 @dataclass
@@ -46,18 +37,6 @@ class SchedulerConfig:
     seed: int = 0
 
 
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    prefix_queries: int
-    prefix_hits: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -67,9 +46,16 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
+        self.workers = WorkerView()
         self._seq_ids = itertools.count()
-        self._step_ids = itertools.count()
-        self._gone_from_workers: list[int] = []
+        self._beams = BeamSearch(
+            finish=self._finish,
+            fork=lambda parent: self._fork(parent, 0),
+            extend=lambda seq, token, logprob: self._append(
+                seq, SeqSample(seq.seq_id, [token], [logprob]), 0
+            ),
+            new_seq_id=lambda: next(self._seq_ids),
+        )
         # Deltas produced outside update() (unservable requests, beams settled at schedule).
         self._pending_deltas: list[RequestDelta] = []
         self.num_preemptions = 0
@@ -95,7 +81,7 @@ class Scheduler:
             list(prompt_token_ids),
             params,
             tuple(eos_token_ids),
-            RequestTimes(arrival_time if arrival_time is not None else time.monotonic()),
+            RequestTimings(arrival_time if arrival_time is not None else time.monotonic()),
         )
         seq = Sequence(next(self._seq_ids), request, list(prompt_token_ids), seed=params.seed)
         request.seqs.append(seq)
@@ -104,7 +90,7 @@ class Scheduler:
             request.error = error
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason.ERROR
-            self._pending_deltas.append(self._final_delta(request))
+            self._pending_deltas.append(reporting.final_delta(request))
             return
         self.requests[request_id] = request
         self.waiting.append(seq)
@@ -144,8 +130,9 @@ class Scheduler:
                 seq.stop_reason = stop
         if not request.is_finished:
             return None
+        self.requests.pop(request_id)
         delta = RequestDelta(request_id)
-        self._finish_delta(request, delta)
+        reporting.end(request, delta)
         return delta
 
     def has_work(self) -> bool:
@@ -167,7 +154,8 @@ class Scheduler:
     # ----- scheduling ----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        self._settle_beams()
+        for request in self._beams.settle(self.running):
+            self._pending_deltas.append(self._report(request, {}))
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
@@ -202,8 +190,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             request = seq.request
-            if request.times.first_scheduled is None:
-                request.times.first_scheduled = time.monotonic()
+            if request.timings.first_scheduled_time is None:
+                request.timings.first_scheduled_time = time.monotonic()
                 self.prompt_tokens += request.prompt_len
             scheduled.append((seq, num_new))
             budget -= num_new
@@ -238,91 +226,36 @@ class Scheduler:
             seq.pending_sample = False
 
     def _plan(self, scheduled: list[tuple[Sequence, int]]) -> StepPlan:
-        plan = StepPlan(step_id=next(self._step_ids))
-        plan.finished, self._gone_from_workers = self._gone_from_workers, []
-        plan.block_copies = self.block_manager.take_copies()
+        """The workers' plan for ``scheduled``; the sequences then count those tokens done."""
+        plan = self.workers.plan(scheduled, self.block_manager.take_copies())
         for seq, num_new in scheduled:
-            if not seq.in_workers:
-                plan.new.append(
-                    NewSequence(
-                        seq_id=seq.seq_id,
-                        token_ids=list(seq.token_ids),
-                        prompt_len=seq.prompt_len,
-                        block_ids=list(seq.block_ids),
-                        num_computed_tokens=seq.num_computed_tokens,
-                        num_kv_tokens=seq.num_kv_tokens,
-                        sampling=self._sampling_spec(seq),
-                    )
-                )
-                seq.in_workers = True
-            else:
-                plan.running.append(
-                    RunningUpdate(
-                        seq_id=seq.seq_id,
-                        new_token_ids=seq.token_ids[seq.worker_tokens :],
-                        blocks_from=seq.worker_blocks,
-                        block_ids=seq.block_ids[seq.worker_blocks :],
-                        num_computed_tokens=seq.num_computed_tokens,
-                    )
-                )
-            seq.worker_tokens = seq.num_tokens
-            seq.worker_blocks = len(seq.block_ids)
-            plan.scheduled.append((seq.seq_id, num_new))
             seq.num_computed_tokens += num_new
             seq.num_kv_tokens = max(seq.num_kv_tokens, seq.num_computed_tokens)
-            request = seq.request
+            params = seq.params
             fan_out = (
-                request.params.num_sequences > 1
-                and not request.params.use_beam_search
-                and len(request.seqs) == 1
+                params.num_sequences > 1
+                and not params.use_beam_search
+                and len(seq.request.seqs) == 1
                 and seq.num_output_tokens == 0
                 and seq.num_computed_tokens == seq.num_tokens
             )
             if fan_out:
-                plan.num_samples[seq.seq_id] = request.params.num_sequences
+                plan.num_samples[seq.seq_id] = params.num_sequences
         return plan
-
-    def _sampling_spec(self, seq: Sequence) -> SamplingSpec:
-        p = seq.params
-        blocked = [] if p.ignore_eos else list(seq.request.eos_token_ids)
-        blocked += list(p.stop_token_ids or [])
-        return SamplingSpec(
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            min_p=p.min_p,
-            seed=seq.seed,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty,
-            min_tokens=p.min_tokens,
-            min_tokens_blocked=blocked,
-            logprobs=p.logprobs,
-            prompt_logprobs=p.prompt_logprobs,
-            beam_width=p.beam_width if p.use_beam_search else 0,
-        )
 
     def _preempt(self, seq: Sequence) -> None:
         self._drop_pending(seq)
         self.block_manager.free(seq)
-        self._forget_in_workers(seq)
+        self.workers.forget(seq)
         seq.status = SequenceStatus.WAITING
         seq.beam_candidates = None
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-        seq.request.num_preemptions += 1
-
-    def _forget_in_workers(self, seq: Sequence) -> None:
-        if seq.in_workers:
-            self._gone_from_workers.append(seq.seq_id)
-        seq.in_workers = False
-        seq.worker_tokens = 0
-        seq.worker_blocks = 0
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | None = None) -> None:
         self._drop_pending(seq)
         self.block_manager.free(seq)
-        self._forget_in_workers(seq)
+        self.workers.forget(seq)
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
@@ -333,10 +266,8 @@ class Scheduler:
 
     # ----- results -------------------------------------------------------------------------
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:  # noqa: C901 (to split)
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
         """Apply the workers' samples; return what changed for each request."""
-        touched: dict[str, Request] = {}
-        reported: dict[int, int] = {}
         by_id = {s.seq_id: s for s in self.running}
         for running in self.running:  # the samples the placeholders stood for are in
             self._drop_pending(running)
@@ -344,7 +275,28 @@ class Scheduler:
             seq = by_id.get(seq_id)
             if seq is not None:
                 self.block_manager.register_computed(seq)
-        for part in result.prompt_logprobs:
+        touched = self._take_prompt_logprobs(result.prompt_logprobs, by_id)
+        # seq id -> its token count before this step's samples (where its delta starts)
+        reported: dict[int, int] = {}
+        for sample in result.samples:
+            seq = by_id.get(sample.seq_id)
+            if seq is None or seq.status != SequenceStatus.RUNNING:
+                continue
+            touched[seq.request.request_id] = seq.request
+            self._take_sample(seq, sample, reported)
+        for request in touched.values():
+            if request.params.use_beam_search:
+                self._beams.step(request)
+        deltas, self._pending_deltas = self._pending_deltas, []
+        deltas += [self._report(request, reported) for request in touched.values()]
+        return deltas
+
+    def _take_prompt_logprobs(
+        self, parts: list[PromptLogprobs], by_id: dict[int, Sequence]
+    ) -> dict[str, Request]:
+        """Add the prompt log probabilities that came in; the requests they belong to."""
+        touched: dict[str, Request] = {}
+        for part in parts:
             seq = by_id.get(part.seq_id)
             if seq is None:
                 continue
@@ -354,27 +306,23 @@ class Scheduler:
                 entry.update({t: v for t, v in top if t not in entry})
                 request.prompt_logprobs.append(entry)
             touched[request.request_id] = request
-        for sample in result.samples:
-            seq = by_id.get(sample.seq_id)
-            if seq is None or seq.status != SequenceStatus.RUNNING:
-                continue
-            request = seq.request
-            touched[request.request_id] = request
-            if request.params.use_beam_search:
-                seq.beam_candidates = list(zip(sample.token_ids, sample.logprobs, strict=True))
-                continue
-            reported.setdefault(seq.seq_id, seq.num_tokens)
-            if len(sample.token_ids) > 1:
-                self._fan_out(seq, sample, reported)
-            else:
-                self._append(seq, sample, 0)
-        for request in touched.values():
-            if request.params.use_beam_search:
-                self._beam_step(request)
-        deltas, self._pending_deltas = self._pending_deltas, []
-        for request in touched.values():
-            deltas.append(self._delta(request, reported))
-        return deltas
+        return touched
+
+    def _take_sample(self, seq: Sequence, sample: SeqSample, reported: dict[int, int]) -> None:
+        if seq.params.use_beam_search:
+            seq.beam_candidates = list(zip(sample.token_ids, sample.logprobs, strict=True))
+            return
+        reported.setdefault(seq.seq_id, seq.num_tokens)
+        if len(sample.token_ids) > 1:
+            self._fan_out(seq, sample, reported)
+        else:
+            self._append(seq, sample, 0)
+
+    def _report(self, request: Request, reported: dict[int, int]) -> RequestDelta:
+        delta = reporting.step_delta(request, reported)
+        if delta.finished:
+            self.requests.pop(request.request_id, None)
+        return delta
 
     def _append(self, seq: Sequence, sample: SeqSample, j: int) -> None:
         token = sample.token_ids[j]
@@ -387,10 +335,8 @@ class Scheduler:
             seq.output_logprobs.append(entry)
         self.generation_tokens += 1
         request = seq.request
-        now = time.monotonic()
-        if request.times.first_token is None:
-            request.times.first_token = now
-        request.times.last_token = now
+        if request.timings.first_token_time is None:
+            request.timings.first_token_time = time.monotonic()
         reason, stop_reason = self._stop_check(seq, token)
         if reason is not None:
             self._finish(seq, reason, stop_reason)
@@ -440,148 +386,3 @@ class Scheduler:
             reported[child.seq_id] = child.num_tokens
             self._append(child, sample, j)
         self._append(seq, sample, 0)
-
-    # ----- beam search ---------------------------------------------------------------------
-
-    def _settle_beams(self) -> None:
-        """Run beam selection for searches whose unfinished siblings were preempted since."""
-        pending = {
-            s.request.request_id: s.request for s in self.running if s.beam_candidates is not None
-        }
-        for request in pending.values():
-            self._beam_step(request)
-            if not request.seqs:
-                self._pending_deltas.append(self._delta(request, {}))
-
-    def _beam_step(self, request: Request) -> None:  # noqa: C901 (to split)
-        live = [s for s in request.seqs if s.status == SequenceStatus.RUNNING]
-        if not live or any(s.beam_candidates is None for s in live):
-            return
-        # A beam preempted for memory drops out of the search rather than stall it.
-        for seq in request.seqs:
-            if seq.status == SequenceStatus.WAITING:
-                self._finish(seq, FinishReason.ABORT)
-        p = request.params
-        width = p.beam_width
-        ranked = sorted(
-            (
-                (s.cumulative_logprob + lp, s, tok, lp)
-                for s in live
-                for tok, lp in s.beam_candidates or ()
-            ),
-            key=lambda c: -c[0],
-        )
-        chosen: list[tuple[Sequence, int, float]] = []
-        for _, seq, tok, lp in ranked:
-            if len(chosen) == width:
-                break
-            is_eos = not p.ignore_eos and tok in request.eos_token_ids
-            if is_eos and seq.num_output_tokens + 1 > p.min_tokens:
-                if len(request.finished_beams) < width:
-                    done = Sequence(
-                        next(self._seq_ids),
-                        request,
-                        seq.token_ids + [tok],
-                        status=SequenceStatus.FINISHED,
-                        finish_reason=FinishReason.STOP,
-                        cumulative_logprob=seq.cumulative_logprob + lp,
-                    )
-                    request.finished_beams.append(done)
-                continue
-            chosen.append((seq, tok, lp))
-        for seq in live:
-            seq.beam_candidates = None
-        keep: dict[int, list[tuple[int, float]]] = {}
-        for seq, tok, lp in chosen:
-            keep.setdefault(seq.seq_id, []).append((tok, lp))
-        new_seqs: list[Sequence] = []
-        for seq in live:
-            picks = keep.get(seq.seq_id, [])
-            if not picks:
-                self._finish(seq, FinishReason.ABORT)
-                continue
-            branches = [self._fork(seq, 0) for _ in picks[1:]]
-            for target, (tok, lp) in zip([seq, *branches], picks, strict=True):
-                self._append(target, SeqSample(target.seq_id, [tok], [lp]), 0)
-                new_seqs.append(target)
-        request.seqs = new_seqs
-        search_over = len(request.finished_beams) >= width or not new_seqs
-        if search_over or all(s.is_finished for s in new_seqs):
-            for seq in new_seqs:
-                if not seq.is_finished:
-                    self._finish(seq, FinishReason.LENGTH)
-            request.finished_beams.extend(s for s in new_seqs)
-            request.seqs = []
-
-    # ----- reporting -----------------------------------------------------------------------
-
-    def _delta(self, request: Request, reported: dict[int, int]) -> RequestDelta:
-        """New tokens of each sequence since the last report; the request's end if it ended."""
-        p = request.params
-        finished = request.is_finished and (not p.use_beam_search or not request.seqs)
-        if finished and p.use_beam_search:
-            return self._final_delta(request)
-        delta = RequestDelta(request.request_id)
-        for seq in request.seqs:
-            start = reported.get(seq.seq_id)
-            if start is not None:
-                delta.seqs.append(self._seq_delta(seq, start))
-        complete = len(request.prompt_logprobs) == request.prompt_len - 1
-        if p.prompt_logprobs is not None and complete and not request.prompt_logprobs_sent:
-            delta.prompt_logprobs = [None, *request.prompt_logprobs]
-            request.prompt_logprobs_sent = True
-        if finished:
-            self._finish_delta(request, delta)
-        return delta
-
-    def _seq_delta(self, seq: Sequence, start: int) -> SeqDelta:
-        first_output = start - seq.prompt_len
-        logprobs = seq.output_logprobs[first_output:] if seq.params.logprobs is not None else None
-        return SeqDelta(
-            index=seq.index,
-            new_token_ids=seq.token_ids[start:],
-            new_logprobs=logprobs,
-            cumulative_logprob=seq.cumulative_logprob,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            stop_reason=seq.stop_reason,
-        )
-
-    def _final_delta(self, request: Request) -> RequestDelta:
-        """A request whose outputs were never reported: all of them at once, best first."""
-        p = request.params
-        delta = RequestDelta(request.request_id)
-        if p.use_beam_search:
-
-            def score(s: Sequence) -> float:
-                return s.cumulative_logprob / (max(1, s.num_output_tokens) ** p.length_penalty)
-
-            best = sorted(request.finished_beams, key=score, reverse=True)[: p.n]
-            for i, seq in enumerate(best):
-                seq.index = i
-            delta.seqs = [self._seq_delta(s, s.prompt_len) for s in best]
-        else:
-            delta.seqs = [self._seq_delta(s, s.prompt_len) for s in request.seqs]
-        if p.prompt_logprobs is not None and request.prompt_logprobs:
-            delta.prompt_logprobs = [None, *request.prompt_logprobs]
-        self._finish_delta(request, delta)
-        return delta
-
-    def _finish_delta(self, request: Request, delta: RequestDelta) -> None:
-        self.requests.pop(request.request_id, None)
-        now = time.monotonic()
-        p = request.params
-        delta.finished = True
-        delta.error = request.error
-        if p.use_beam_search:
-            delta.final_order = [s.index for s in delta.seqs]
-        elif p.num_sequences > p.n:
-            best = sorted(request.seqs, key=lambda s: s.cumulative_logprob, reverse=True)
-            delta.final_order = [s.index for s in best[: p.n]]
-        t = request.times
-        t.finished = now
-        delta.timings = RequestTimings(
-            arrival=t.arrival,
-            queued=(t.first_scheduled or now) - t.arrival,
-            first_token=(t.first_token - t.arrival) if t.first_token else None,
-            finished=now - t.arrival,
-        )

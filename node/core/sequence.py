@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pagedllm.core.request_delta import RequestTimings
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -22,13 +23,24 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
+class BlockTable:
+    """A sequence's KV-cache blocks; only the block manager changes it."""
+
+    ids: list[int] = field(default_factory=list)
+    # Content hashes of the sequence's full blocks, extended as tokens arrive.
+    hashes: list[bytes] = field(default_factory=list)
+    # How many leading blocks are published in the prefix cache.
+    num_registered: int = 0
+
+
+@dataclass
 class Sequence:
     """One stream of tokens with its own block table.
 
     ``num_computed_tokens`` counts tokens whose forward pass is done; ``num_kv_tokens`` counts
     tokens whose K/V is in the cache. They differ only after a prefix-cache hit on a prompt
     that is an exact multiple of the block size: the last token is run again for its logits
-    but its K/V is already there.
+    but its K/V is already there. What the workers hold of it is the ``WorkerView``'s.
     """
 
     seq_id: int
@@ -39,17 +51,11 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_kv_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-    num_registered_blocks: int = 0
+    blocks: BlockTable = field(default_factory=BlockTable)
     cumulative_logprob: float = 0.0
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    # What the workers know of this sequence, so each step sends only the difference.
-    worker_tokens: int = 0
-    worker_blocks: int = 0
-    in_workers: bool = False
     # Async scheduling: the last token is a LAST_SAMPLE placeholder for the sample of the step
     # in flight, scheduled before that step's results came back.
     pending_sample: bool = False
@@ -65,10 +71,6 @@ class Sequence:
         return self.request.prompt_len
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
@@ -82,15 +84,6 @@ class Sequence:
 
 
 @dataclass
-class RequestTimes:
-    arrival: float
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    finished: float | None = None
-
-
-@dataclass
 class Request:
     """A user request: a prompt, its sampling settings and the sequences generated for it."""
 
@@ -98,13 +91,12 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
-    times: RequestTimes
+    timings: RequestTimings
     seqs: list[Sequence] = field(default_factory=list)
     # Beam search keeps finished hypotheses here until the search ends.
     finished_beams: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
-    num_preemptions: int = 0
     error: str | None = None
 
     @property

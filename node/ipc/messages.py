@@ -136,10 +136,10 @@ def _typed(tag: str, cls: type, version: int) -> Schema:
 SCHEMAS: dict[str, Schema] = {
     s.tag: s
     for s in (
-        _typed("add_request", AddRequest, 2),
+        _typed("add_request", AddRequest, 3),
         _typed("abort_request", AbortRequest, 1),
         _typed("stop_sequence", StopSequence, 1),
-        _typed("request_outputs", RequestOutputs, 2),
+        _typed("request_outputs", RequestOutputs, 3),
         _typed("request_rejected", RequestRejected, 1),
         _typed("worker_ready", WorkerReady, 1),
         _typed("process_ready", ProcessReady, 1),

@@ -75,15 +75,6 @@ class ModelConfig:
         self.check_tensor_parallel(tp_size)
         return self.num_key_value_heads // tp_size
 
-    def intermediate_size_per_rank(self, tp_size: int) -> int:
-        self.check_tensor_parallel(tp_size)
-        return self.intermediate_size // tp_size
-
-    def kv_cache_bytes_per_token(self, element_size: int, tp_size: int) -> int:
-        """Bytes one token's K and V take in one rank's cache, all layers together."""
-        per_layer = 2 * self.num_kv_heads_per_rank(tp_size) * self.head_dim * element_size
-        return self.num_hidden_layers * per_layer
-
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
     directory = Path(model_dir).expanduser()

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.core.request_delta import RequestDelta
+from pagedllm.core.request_delta import RequestDelta, RequestTimings
 from pagedllm.output.detokenizer import IncrementalDetokenizer, find_stop
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -47,7 +47,7 @@ class RequestOutputState:
     final_order: list[int] | None = None
     finished: bool = False
     error: str | None = None
-    metrics: RequestMetrics | None = None
+    metrics: RequestTimings | None = None
 
     def _seq(self, index: int) -> SeqState:
         if index not in self.seqs:
@@ -86,8 +86,7 @@ class RequestOutputState:
             for seq in self.seqs.values():
                 seq.finish_reason = seq.finish_reason or "abort"
             if delta.timings is not None:
-                t = delta.timings
-                self.metrics = RequestMetrics(t.arrival, t.queued, t.first_token, t.finished)
+                self.metrics = delta.timings
         if stopped and all(s.finish_reason is not None for s in self.seqs.values()):
             self.finished = True
         return deltas, stopped
@@ -134,6 +133,6 @@ class RequestOutputState:
             prompt_logprobs=self.prompt_logprobs,
             outputs=outputs,
             finished=self.finished,
-            metrics=self.metrics or RequestMetrics(self.arrival_time),
+            metrics=self.metrics or RequestTimings(self.arrival_time),
             error=self.error,
         )

@@ -22,7 +22,7 @@ from prometheus_client import (
     values,
 )
 
-from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.core.reporting import SchedulerStats
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LABEL = "model_name"

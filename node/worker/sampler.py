@@ -11,29 +11,15 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.core.step_plan import SamplingSpec
+from pagedllm.sampling_params import derive_seed, mix_seed
 
-_MASK64 = (1 << 64) - 1
 # Temperatures below this are greedy: dividing by them overflows float32 logits.
 SAMPLING_EPS = 1e-5
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def derive_seed(seed: int | None, index: int) -> int | None:
-    """Seed of the ``index``-th sequence of a request (index 0 keeps the request's seed)."""
-    if seed is None or index == 0:
-        return seed
-    return _splitmix64(seed ^ _splitmix64(index)) & 0x7FFF_FFFF_FFFF_FFFF
-
-
 def _generator(seed: int, position: int, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
-    g.manual_seed(_splitmix64(seed ^ _splitmix64(position + 1)) & 0x7FFF_FFFF_FFFF_FFFF)
+    g.manual_seed(mix_seed(seed, position + 1))
     return g
 
 

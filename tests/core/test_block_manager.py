@@ -11,15 +11,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.request_delta import RequestTimings
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
-from pagedllm.core.sequence import Request, RequestTimes, Sequence, SequenceStatus
+from pagedllm.core.sequence import Request, Sequence, SequenceStatus
 from pagedllm.sampling_params import SamplingParams
 from tests.fake_worker import FakeWorker
 
 
 def live_block_tables(scheduler: Scheduler) -> list[list[int]]:
     seqs = [s for s in scheduler.running] + [s for s in scheduler.waiting]
-    return [s.block_ids for s in seqs]
+    return [s.blocks.ids for s in seqs]
 
 
 def check_accounting(scheduler: Scheduler) -> None:
@@ -31,10 +32,10 @@ def check_accounting(scheduler: Scheduler) -> None:
     assert pool.num_free == sum(1 for b in pool.blocks if b.ref_count == 0)
     # A waiting sequence holds nothing; finished ones are gone from both queues.
     for seq in scheduler.waiting:
-        assert seq.block_ids == [] and seq.status == SequenceStatus.WAITING
+        assert seq.blocks.ids == [] and seq.status == SequenceStatus.WAITING
     for seq in scheduler.running:
         assert seq.status == SequenceStatus.RUNNING
-        assert len(seq.block_ids) * scheduler.config.block_size >= seq.num_kv_tokens
+        assert len(seq.blocks.ids) * scheduler.config.block_size >= seq.num_kv_tokens
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -114,7 +115,7 @@ TestSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=4
 
 
 def _request(prompt: list[int], params: SamplingParams) -> Request:
-    return Request("r", prompt, params, (), RequestTimes(0.0))
+    return Request("r", prompt, params, (), RequestTimings(0.0))
 
 
 def test_prefix_hit_reuses_blocks_and_recomputes_only_last_token() -> None:
@@ -126,9 +127,9 @@ def test_prefix_hit_reuses_blocks_and_recomputes_only_last_token() -> None:
     bm.register_computed(first)
     second = Sequence(1, _request(prompt, SamplingParams()), list(prompt))
     hit = bm.find_prefix(second)
-    assert hit.block_ids == first.block_ids
+    assert hit.block_ids == first.blocks.ids
     assert bm.allocate(second, 1, hit)
-    assert second.block_ids == first.block_ids
+    assert second.blocks.ids == first.blocks.ids
     assert second.num_computed_tokens == 7 and second.num_kv_tokens == 8
     assert bm.pool.num_used == 2
     assert bm.prefix_hits == 8 and bm.prefix_queries == 16
@@ -138,7 +139,7 @@ def test_freed_blocks_keep_hash_until_reused_tail_first() -> None:
     bm = BlockManager(num_blocks=3, block_size=2)
     seq = Sequence(0, _request([1, 2, 3, 4], SamplingParams()), [1, 2, 3, 4])
     assert bm.allocate(seq, 4, bm.find_prefix(seq))
-    head, tail = seq.block_ids
+    head, tail = seq.blocks.ids
     seq.num_computed_tokens = seq.num_kv_tokens = 4
     bm.register_computed(seq)
     bm.free(seq)
@@ -160,9 +161,9 @@ def test_fork_shares_and_copy_on_write_copies_partial_block() -> None:
     assert bm.pool.num_used == 2
     child.token_ids.append(9)
     assert bm.allocate(child, 1)
-    assert child.block_ids[0] == parent.block_ids[0]
-    assert child.block_ids[1] != parent.block_ids[1]
-    assert bm.take_copies() == [(parent.block_ids[1], child.block_ids[1])]
+    assert child.blocks.ids[0] == parent.blocks.ids[0]
+    assert child.blocks.ids[1] != parent.blocks.ids[1]
+    assert bm.take_copies() == [(parent.blocks.ids[1], child.blocks.ids[1])]
     parent.token_ids.append(7)
     assert bm.allocate(parent, 1)  # now the only holder: writes in place
     assert bm.take_copies() == []

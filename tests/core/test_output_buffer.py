@@ -63,8 +63,7 @@ def random_trace(
                 prompt_logprobs=[None, {9: -0.5}] if prompt_logprobs and step == 1 else [],
                 finished=last,
                 final_order=list(reversed(range(n))) if last and n > 1 else None,
-                num_cached_tokens=16,
-                timings=RequestTimings(0.0, 0.1, 0.2, 0.9) if last else None,
+                timings=RequestTimings(10.0, 10.1, 10.2, 10.9) if last else None,
             )
         )
     return deltas
