@@ -22,7 +22,8 @@ from pagedllm.serve.args import add_serve_arguments, byte_size, positive_int, se
 HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[\w./-]+))?$")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The `pagedllm` command line (the operator writes the `serve` flags into its pods)."""
     parser = argparse.ArgumentParser(
         prog="pagedllm", description="LLM serving with a paged KV cache"
     )
@@ -61,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pagedllm.operator import run
 
         return run(argv[1:])
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
         settings = serve_args(args, parser)

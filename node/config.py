@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.core.scheduler import SchedulerConfig
 from pagedllm.kernels import BACKENDS
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+# The weight and activation dtypes a model can be served in; "auto" takes the checkpoint's.
+DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 @dataclass
@@ -34,8 +37,8 @@ class EngineConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         _positive("block_size", self.block_size)
         if self.block_size > 256:
             raise ValueError(f"block_size must be at most 256, got {self.block_size}")
@@ -56,6 +59,29 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+
+def resolve_model_dir(model: str | None) -> str:
+    """The model directory to serve: ``model``, or the demo model's (written on first use)."""
+    if model is not None:
+        return model
+    # Writing the demo model takes torch; only then is it imported.
+    from pagedllm.models.demo import demo_model_dir
+
+    return str(demo_model_dir())
+
+
+def scheduler_config(config: EngineConfig, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+    """The scheduler's settings, once the workers know how many KV blocks fit."""
+    return SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=config.enable_prefix_caching,
+        seed=config.seed,
+    )
 
 
 def _positive(name: str, value: object) -> None:

@@ -2,39 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, resolve_model_dir, scheduler_config
 from pagedllm.core.reporting import SchedulerStats
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
-from pagedllm.models.loader import load_tokenizer
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.output.processor import RequestOutputState
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
-
-
-def resolve_model_dir(model: str | None) -> str:
-    if model is not None:
-        return model
-    from pagedllm.models.demo import demo_model_dir
-
-    return str(demo_model_dir())
-
-
-def scheduler_config(config: EngineConfig, num_blocks: int, max_model_len: int) -> SchedulerConfig:
-    return SchedulerConfig(
-        num_blocks=num_blocks,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_prefix_caching=config.enable_prefix_caching,
-        seed=config.seed,
-    )
 
 
 @dataclass
@@ -120,12 +101,7 @@ class LLMEngine:
             state = self._states.get(delta.request_id)
             if state is None:
                 continue
-            _, stopped = state.update(delta)
-            for index in stopped:
-                seq = state.seqs[index]
-                final = self.scheduler.stop_sequence(delta.request_id, index, str(seq.stop_reason))
-                if final is not None:
-                    state.update(final)
+            state.apply(delta, functools.partial(self.scheduler.stop_sequence, delta.request_id))
             outputs.append(state.output())
             if state.finished:
                 del self._states[delta.request_id]

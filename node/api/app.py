@@ -31,9 +31,9 @@ from pagedllm.api.protocol import (
     TokenizeCompletionRequest,
     error_body,
 )
-from pagedllm.api.serving import ApiError, ServingContext, from_generation_error
-from pagedllm.api.serving_chat import ChatRun, prepare_chat
-from pagedllm.api.serving_completions import CompletionRun, prepare_completion
+from pagedllm.api.serving import ApiError, GenerationRun, ServingContext, from_generation_error
+from pagedllm.api.serving_chat import prepare_chat
+from pagedllm.api.serving_completions import prepare_completion
 from pagedllm.serve import metrics
 
 log = logging.getLogger(__name__)
@@ -124,12 +124,18 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     return "invalid request: " + "; ".join(parts), param
 
 
-def build_app(ctx: ServingContext, api_key: str | None) -> FastAPI:  # noqa: C901 (to split)
+def build_app(ctx: ServingContext, api_key: str | None) -> FastAPI:
     app = FastAPI(title="PagedLLM", version=__version__)
     app.add_middleware(BodyLimitMiddleware, limit=MAX_BODY_BYTES)
     if api_key:  # added last, so it runs first: no body is read for a caller without the key
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    _add_error_handlers(app)
+    _add_probes(app, ctx)
+    _add_openai_routes(app, ctx)
+    return app
 
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
         return _error_response(error)
@@ -149,6 +155,10 @@ def build_app(ctx: ServingContext, api_key: str | None) -> FastAPI:  # noqa: C90
     async def unexpected(_: Request, error: Exception) -> JSONResponse:
         log.exception("unexpected error")
         return JSONResponse(error_body(f"internal error: {error}", "server_error"), status_code=500)
+
+
+def _add_probes(app: FastAPI, ctx: ServingContext) -> None:
+    """What Kubernetes and Prometheus read: no API key needed (see OPEN_PATHS)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -171,6 +181,8 @@ def build_app(ctx: ServingContext, api_key: str | None) -> FastAPI:  # noqa: C90
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         created = int(time.time())
@@ -214,10 +226,8 @@ def build_app(ctx: ServingContext, api_key: str | None) -> FastAPI:  # noqa: C90
         ctx.check_token_ids(body.tokens, "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
-    return app
 
-
-async def _generate(run: CompletionRun | ChatRun, stream: bool, request: Request) -> Response:
+async def _generate(run: GenerationRun, stream: bool, request: Request) -> Response:
     """Start the generation; answer with the whole result, or stream it once the first step
     is in (so that a rejection still gets its own status instead of a broken stream)."""
     generation = run.generation

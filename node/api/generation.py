@@ -10,6 +10,7 @@ are freed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from pagedllm.ipc.messages import NodeFailed, RequestRejected
 from pagedllm.output.processor import RequestOutputState, TextDelta
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.serve.metrics import RequestMetrics
+from pagedllm.serve.metrics import RequestRecorder
 
 # (prompt index, what its sequences added in one step)
 Step = tuple[int, list[TextDelta]]
@@ -38,7 +39,10 @@ class GenerationError(Exception):
 
 
 @dataclass
-class Prompt:
+class TokenizedPrompt:
+    """One prompt of an HTTP request as the engine takes it; ``text`` is None for a
+    token-id prompt (until echo decodes it)."""
+
     text: str | None
     token_ids: list[int]
 
@@ -55,10 +59,10 @@ class EngineRequest:
 @dataclass
 class Generation:
     client: EngineClient
-    metrics: RequestMetrics
+    metrics: RequestRecorder
     tokenizer: Any
     request_id: str
-    prompts: list[Prompt]
+    prompts: list[TokenizedPrompt]
     params: SamplingParams
     # Whether the handler takes every step (SSE) or only the end.
     streaming: bool
@@ -162,10 +166,9 @@ class Generation:
         if delta.error is not None:
             self.metrics.rejected_for("invalid")
             raise GenerationError(400, delta.error, "context_length_exceeded")
-        deltas, stopped = request.state.update(delta)
-        for index in stopped:
-            seq = request.state.seqs[index]
-            self.client.stop_sequence(request.request_id, index, str(seq.stop_reason))
+        deltas = request.state.apply(
+            delta, functools.partial(self.client.stop_sequence, request.request_id)
+        )
         self._observe(request, delta)
         if delta.finished:
             request.done = True

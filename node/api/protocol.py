@@ -12,8 +12,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from pagedllm.ipc.codec import INT64_MAX, INT64_MIN
-
+# The API's integer ranges (vLLM's): a seed is a 64-bit integer, counts and token ids 32-bit.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_SAMPLES = 128
 MAX_LOGPROBS = 20

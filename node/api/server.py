@@ -1,5 +1,9 @@
 """An API server process (the tokenizer process): HTTP in, tokens to the scheduler, text out.
 
+The supervisor starts it as ``python -m pagedllm.api.server`` with its settings on stdin
+(msgpack, checked on the way in): a fresh interpreter rather than a fork of the supervisor,
+which holds torch. It loads its own tokenizer and never imports torch.
+
 Several of them can share one port: each binds its own listening socket with SO_REUSEPORT
 and the kernel spreads connections among them.
 """
@@ -15,27 +19,30 @@ import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
+import msgpack
 import uvicorn
 
 from pagedllm.api.app import build_app
 from pagedllm.api.engine_client import EngineClient
 from pagedllm.api.serving import ServingContext
 from pagedllm.ipc import sockets
+from pagedllm.ipc.codec import WireError, decoder, encoder
+from pagedllm.models import ModelLoadError
+from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.serve.child_process import setup_child
-from pagedllm.serve.metrics import RequestMetrics
+from pagedllm.serve.metrics import RequestRecorder
 
 log = logging.getLogger(__name__)
 # Seconds the server gives open connections when told to stop (the supervisor drains first).
-STOP_GRACE_S = 5
+CONNECTIONS_GRACE_S = 5
 
 
 @dataclass
 class ApiServerSpec:
     index: int
     ipc_paths: sockets.IpcPaths
-    tokenizer: Any  # loaded once by the supervisor, inherited through fork
     model_dir: str
     model_names: list[str]
     max_model_len: int
@@ -46,6 +53,32 @@ class ApiServerSpec:
     log_level: str
     supervisor_pid: int
     nice: int = 0
+
+
+def encode_spec(spec: ApiServerSpec) -> bytes:
+    return msgpack.packb(encoder(ApiServerSpec)(spec))
+
+
+def decode_spec(data: bytes) -> ApiServerSpec:
+    """The spec the supervisor wrote; raises WireError when ``data`` is not one."""
+    try:
+        value = msgpack.unpackb(data)
+    except Exception as error:  # msgpack raises several unrelated types on bad input
+        raise WireError(f"not msgpack: {error}") from None
+    spec: ApiServerSpec = decoder(ApiServerSpec)(value)
+    return spec
+
+
+def forbid_torch() -> None:
+    """Keep torch out of this process: it would cost hundreds of MiB and compute nothing.
+
+    transformers imports torch whenever it is installed, though a tokenizer asked for lists
+    never needs it; marked absent, torch is neither loaded by transformers nor by any stray
+    import (which fails at once instead).
+    """
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    # transformers' notice that it found no torch, which is on purpose here.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -68,40 +101,62 @@ class _Server(uvicorn.Server):
         yield
 
 
-def run_api_server(spec: ApiServerSpec) -> None:
+def main(stdin: BinaryIO) -> None:
+    """Entry point: the spec from ``stdin``, then serve until told to stop."""
+    forbid_torch()
+    try:
+        spec = decode_spec(stdin.read())
+    except WireError as error:
+        print(f"pagedllm api server: invalid spec on stdin: {error}", file=sys.stderr)
+        sys.exit(2)
+    code = run_api_server(spec)
+    logging.shutdown()
+    # Without the interpreter's teardown, which takes seconds of CPU over transformers' many
+    # modules and has nothing left to close: the sockets are, and the metrics are on disk.
+    os._exit(code)
+
+
+def run_api_server(spec: ApiServerSpec) -> int:
+    """Serve until SIGTERM; the exit status."""
     setup_child(f"api server {spec.index}", spec.log_level, spec.supervisor_pid)
     if spec.nice:
         os.nice(spec.nice)
     try:
+        tokenizer = load_tokenizer(spec.model_dir)
+    except ModelLoadError as error:
+        log.error("%s", error)
+        return 1
+    try:
         sock = bind(spec.host, spec.port)
     except OSError as error:
         log.error("cannot listen on %s:%d: %s", spec.host, spec.port, error)
-        sys.exit(1)
+        return 1
     try:
-        asyncio.run(_serve(spec, sock))
+        asyncio.run(_serve(spec, sock, tokenizer))
     except Exception:
         log.exception("api server %d failed", spec.index)
-        sys.exit(1)
+        return 1
+    return 0
 
 
-async def _serve(spec: ApiServerSpec, sock: socket.socket) -> None:
+async def _serve(spec: ApiServerSpec, sock: socket.socket, tokenizer: Any) -> None:
     client = EngineClient(spec.ipc_paths, spec.index)
     client.start()
     ctx = ServingContext(
         client=client,
-        tokenizer=spec.tokenizer,
+        tokenizer=tokenizer,
         model_names=spec.model_names,
         model_dir=spec.model_dir,
         max_model_len=spec.max_model_len,
         vocab_size=spec.vocab_size,
-        metrics=RequestMetrics(spec.model_names[0]),
+        metrics=RequestRecorder(spec.model_names[0]),
     )
     config = uvicorn.Config(
         build_app(ctx, spec.api_key),
         log_config=None,
         log_level=spec.log_level,
         access_log=spec.log_level == "debug",
-        timeout_graceful_shutdown=STOP_GRACE_S,
+        timeout_graceful_shutdown=CONNECTIONS_GRACE_S,
         timeout_keep_alive=30,
     )
     server = _Server(config)
@@ -117,3 +172,7 @@ async def _serve(spec: ApiServerSpec, sock: socket.socket) -> None:
     finally:
         ready.cancel()
         client.close()
+
+
+if __name__ == "__main__":
+    main(sys.stdin.buffer)

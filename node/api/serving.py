@@ -1,22 +1,27 @@
-"""What the OpenAI endpoints share: errors, the serving context, sampling settings, SSE."""
+"""What the OpenAI endpoints share: errors, the serving context, sampling settings, and one
+request's run from the first step to the last SSE chunk."""
 
 from __future__ import annotations
 
+import abc
 import json
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pagedllm.api.engine_client import EngineClient, NodeState
-from pagedllm.api.generation import GenerationError, Prompt
+from pagedllm.api.generation import Generation, GenerationError, Step, TokenizedPrompt
 from pagedllm.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     error_body,
 )
+from pagedllm.output.processor import TextDelta
+from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.serve.metrics import RequestMetrics
+from pagedllm.serve.metrics import RequestRecorder
 
 # JSON has no -inf; OpenAI clients expect a number (vLLM's choice).
 MIN_LOGPROB = -9999.0
@@ -65,7 +70,7 @@ class ServingContext:
     model_dir: str
     max_model_len: int
     vocab_size: int
-    metrics: RequestMetrics
+    metrics: RequestRecorder
 
     @property
     def model_name(self) -> str:
@@ -188,7 +193,9 @@ def sampling_params(
         raise ApiError(400, str(error), param=str(error).split(" ", 1)[0]) from None
 
 
-def check_lengths(ctx: ServingContext, prompts: list[Prompt], max_tokens: int | None) -> None:
+def check_lengths(
+    ctx: ServingContext, prompts: list[TokenizedPrompt], max_tokens: int | None
+) -> None:
     for prompt in prompts:
         n = len(prompt.token_ids)
         if n >= ctx.max_model_len:
@@ -208,3 +215,92 @@ def check_lengths(ctx: ServingContext, prompts: list[Prompt], max_tokens: int | 
                 code="context_length_exceeded",
                 param="max_tokens",
             )
+
+
+@dataclass
+class GenerationRun(abc.ABC):
+    """One completions or chat request: its whole response at the end, or its SSE stream.
+
+    A request with several prompts (completions) numbers its choices prompt by prompt:
+    ``prompt_index * n + sequence index``.
+    """
+
+    ctx: ServingContext
+    body: CompletionRequest | ChatCompletionRequest
+    generation: Generation
+    response_id: str
+    created: int
+
+    # The ``object`` of each streamed chunk.
+    CHUNK_OBJECT: ClassVar[str]
+
+    @abc.abstractmethod
+    def response(self) -> dict[str, Any]:
+        """The whole answer, once the generation is done."""
+
+    @abc.abstractmethod
+    def stream_choices(
+        self, prompt_index: int, index: int, delta: TextDelta, first: bool
+    ) -> list[dict[str, Any]]:
+        """The choices one step of choice ``index`` streams, each in a chunk of its own
+        (none when it adds nothing); ``first`` for the choice's first step."""
+
+    @abc.abstractmethod
+    def final_choice(self, index: int, output: CompletionOutput) -> dict[str, Any]:
+        """The closing choice of one that ended without saying why in its last step."""
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p.token_ids) for p in self.generation.prompts)
+        completion = sum(len(o.token_ids) for out in self.generation.outputs() for o in out.outputs)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def chunk(
+        self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": self.CHUNK_OBJECT,
+            "created": self.created,
+            "model": self.ctx.model_name,
+            "choices": choices,
+            "usage": usage,
+        }
+
+    async def stream(self, first: Step) -> AsyncIterator[bytes]:
+        """SSE from the first step on: each step's choices, a closing chunk for every choice
+        whose end was not streamed, the usage if asked for, then [DONE]; an error that
+        arrives mid-stream is its last event."""
+        n = self.body.n
+        started: set[int] = set()
+        finished: set[int] = set()
+        event: Step | None = first
+        try:
+            while event is not None:
+                prompt_index, deltas = event
+                for d in deltas:
+                    index = prompt_index * n + d.index
+                    for choice in self.stream_choices(prompt_index, index, d, index not in started):
+                        yield sse(self.chunk([choice]))
+                    started.add(index)
+                    if d.finish_reason is not None:
+                        finished.add(index)
+                event = await self.generation.next()
+            for chunk in self._closing_chunks(finished):
+                yield chunk
+        except GenerationError as error:
+            yield sse(from_generation_error(error).body())
+        yield SSE_DONE
+
+    def _closing_chunks(self, finished: set[int]) -> Iterator[bytes]:
+        n = self.body.n
+        for prompt_index, out in enumerate(self.generation.outputs()):
+            for o in out.outputs:
+                index = prompt_index * n + o.index
+                if index not in finished:
+                    yield sse(self.chunk([self.final_choice(index, o)]))
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            yield sse(self.chunk([], usage=self.usage()))

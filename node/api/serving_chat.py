@@ -3,33 +3,30 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.api.generation import Generation, GenerationError, Prompt, Step
+from pagedllm.api.generation import Generation, TokenizedPrompt
 from pagedllm.api.protocol import ChatCompletionRequest
 from pagedllm.api.serving import (
     MIN_LOGPROB,
-    SSE_DONE,
     ApiError,
+    GenerationRun,
     ServingContext,
     check_lengths,
     clamp_logprob,
-    from_generation_error,
     random_id,
     sampling_params,
-    sse,
 )
+from pagedllm.output.processor import TextDelta
+from pagedllm.outputs import CompletionOutput
 
 
 @dataclass
-class ChatRun:
-    ctx: ServingContext
+class ChatRun(GenerationRun):
     body: ChatCompletionRequest
-    generation: Generation
-    response_id: str
-    created: int
+
+    CHUNK_OBJECT = "chat.completion.chunk"
 
     def logprobs(self, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:
         decode = self.ctx.tokenizer.decode
@@ -55,15 +52,6 @@ class ChatRun:
             )
         return {"content": content}
 
-    def usage(self) -> dict[str, int]:
-        prompt = len(self.generation.prompts[0].token_ids)
-        completion = sum(len(o.token_ids) for o in self.generation.outputs()[0].outputs)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-
     def response(self) -> dict[str, Any]:
         choices = []
         for o in self.generation.outputs()[0].outputs:
@@ -88,86 +76,48 @@ class ChatRun:
             "usage": self.usage(),
         }
 
-    async def stream(self, first: Step) -> AsyncIterator[bytes]:
-        started: set[int] = set()
-        finished: set[int] = set()
-        event: Step | None = first
-        try:
-            while event is not None:
-                for d in event[1]:
-                    if d.index not in started:
-                        started.add(d.index)
-                        yield sse(
-                            self._chunk(
-                                [
-                                    {
-                                        "index": d.index,
-                                        "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None,
-                                        "finish_reason": None,
-                                    }
-                                ]
-                            )
-                        )
-                    logprobs = None
-                    if self.body.logprobs and d.logprobs:
-                        logprobs = self.logprobs(d.token_ids, list(d.logprobs))
-                    if not d.text and d.finish_reason is None and logprobs is None:
-                        continue
-                    if d.finish_reason is not None:
-                        finished.add(d.index)
-                    yield sse(
-                        self._chunk(
-                            [
-                                {
-                                    "index": d.index,
-                                    "delta": {"content": d.text} if d.text else {},
-                                    "logprobs": logprobs,
-                                    "finish_reason": d.finish_reason,
-                                    "stop_reason": d.stop_reason,
-                                }
-                            ]
-                        )
-                    )
-                event = await self.generation.next()
-            for o in self.generation.outputs()[0].outputs:
-                if o.index not in finished:
-                    yield sse(
-                        self._chunk(
-                            [
-                                {
-                                    "index": o.index,
-                                    "delta": {},
-                                    "logprobs": None,
-                                    "finish_reason": o.finish_reason,
-                                    "stop_reason": o.stop_reason,
-                                }
-                            ]
-                        )
-                    )
-            if self.body.stream_options and self.body.stream_options.include_usage:
-                yield sse(self._chunk([], usage=self.usage()))
-        except GenerationError as error:
-            yield sse(from_generation_error(error).body())
-        yield SSE_DONE
+    def stream_choices(
+        self, prompt_index: int, index: int, delta: TextDelta, first: bool
+    ) -> list[dict[str, Any]]:
+        choices = []
+        if first:  # the role, alone, opens each choice
+            choices.append(
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
+        logprobs = None
+        if self.body.logprobs and delta.logprobs:
+            logprobs = self.logprobs(delta.token_ids, list(delta.logprobs))
+        if delta.text or delta.finish_reason is not None or logprobs is not None:
+            choices.append(
+                {
+                    "index": index,
+                    "delta": {"content": delta.text} if delta.text else {},
+                    "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason,
+                    "stop_reason": delta.stop_reason,
+                }
+            )
+        return choices
 
-    def _chunk(
-        self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
-    ) -> dict[str, Any]:
+    def final_choice(self, index: int, output: CompletionOutput) -> dict[str, Any]:
         return {
-            "id": self.response_id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.ctx.model_name,
-            "choices": choices,
-            "usage": usage,
+            "index": index,
+            "delta": {},
+            "logprobs": None,
+            "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
         }
 
 
 def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> ChatRun:
     ctx.check_model(body.model)
     text = ctx.render_chat(body.messages, body.add_generation_prompt)
-    prompt = Prompt(text, ctx.tokenizer.encode(text, add_special_tokens=False))
+    prompt = TokenizedPrompt(text, ctx.tokenizer.encode(text, add_special_tokens=False))
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_lengths(ctx, [prompt], max_tokens)
     top = body.top_logprobs

@@ -3,28 +3,26 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.api.generation import Generation, GenerationError, Prompt, Step
+from pagedllm.api.generation import Generation, TokenizedPrompt
 from pagedllm.api.protocol import CompletionRequest
 from pagedllm.api.serving import (
     MIN_LOGPROB,
-    SSE_DONE,
     ApiError,
+    GenerationRun,
     ServingContext,
     check_lengths,
     clamp_logprob,
-    from_generation_error,
     random_id,
     sampling_params,
-    sse,
 )
+from pagedllm.output.processor import TextDelta
 from pagedllm.outputs import CompletionOutput
 
 
-def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prompt]:
+def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[TokenizedPrompt]:
     raw = body.prompt
     items: list[str | list[int]]
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
@@ -36,24 +34,22 @@ def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[Pro
     prompts = []
     for item in items:
         if isinstance(item, str):
-            prompts.append(Prompt(item, ctx.tokenizer.encode(item)))
+            prompts.append(TokenizedPrompt(item, ctx.tokenizer.encode(item)))
         else:
             if not item:
                 raise ApiError(400, "a token-id prompt must not be empty", param="prompt")
             ctx.check_token_ids(item, "prompt")
-            prompts.append(Prompt(None, list(item)))
+            prompts.append(TokenizedPrompt(None, list(item)))
     return prompts
 
 
 @dataclass
-class CompletionRun:
-    """Everything needed to render one completions request's answer."""
-
-    ctx: ServingContext
+class CompletionRun(GenerationRun):
     body: CompletionRequest
-    generation: Generation
-    response_id: str
-    created: int
+    # Text offset of each streamed choice's next token (for logprobs.text_offset).
+    _offsets: dict[int, int] = field(default_factory=dict, init=False)
+
+    CHUNK_OBJECT = "text_completion"
 
     def prompt_text(self, index: int) -> str:
         prompt = self.generation.prompts[index]
@@ -82,15 +78,6 @@ class CompletionRun:
             "token_logprobs": token_logprobs,
             "top_logprobs": tops,
             "text_offset": offsets,
-        }
-
-    def usage(self) -> dict[str, int]:
-        prompt = sum(len(p.token_ids) for p in self.generation.prompts)
-        completion = sum(len(o.token_ids) for out in self.generation.outputs() for o in out.outputs)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
         }
 
     def response(self) -> dict[str, Any]:
@@ -144,81 +131,38 @@ class CompletionRun:
         prompt_entries = list(prompt_logprobs or [None] * len(prompt_ids))
         return prompt_ids + ids, prompt_entries + entries
 
-    async def stream(self, first: Step) -> AsyncIterator[bytes]:  # noqa: C901 (to split)
-        n = self.body.n
-        started: set[int] = set()
-        finished: set[int] = set()
-        offsets: dict[int, int] = {}  # text offset of each choice's next token
-        event: Step | None = first
-        try:
-            while event is not None:
-                prompt_index, deltas = event
-                for d in deltas:
-                    index = prompt_index * n + d.index
-                    text, ids, entries = d.text, d.token_ids, list(d.logprobs or [])
-                    if index not in started:
-                        started.add(index)
-                        if self.body.echo:
-                            text = self.prompt_text(prompt_index) + text
-                            state = self.generation.requests[prompt_index].state
-                            ids, entries = self._with_prompt(
-                                prompt_index, ids, entries, state.prompt_logprobs
-                            )
-                    logprobs = None
-                    if self.body.logprobs is not None and entries:
-                        offset = offsets.get(index, 0)
-                        logprobs = self.logprobs(ids, entries, offset)
-                        offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
-                    if not text and d.finish_reason is None and logprobs is None:
-                        continue
-                    if d.finish_reason is not None:
-                        finished.add(index)
-                    yield sse(
-                        self._chunk(
-                            [
-                                {
-                                    "index": index,
-                                    "text": text,
-                                    "logprobs": logprobs,
-                                    "finish_reason": d.finish_reason,
-                                    "stop_reason": d.stop_reason,
-                                }
-                            ]
-                        )
-                    )
-                event = await self.generation.next()
-            for i, out in enumerate(self.generation.outputs()):
-                for o in out.outputs:
-                    if i * n + o.index not in finished:
-                        yield sse(
-                            self._chunk(
-                                [
-                                    {
-                                        "index": i * n + o.index,
-                                        "text": "",
-                                        "logprobs": None,
-                                        "finish_reason": o.finish_reason,
-                                        "stop_reason": o.stop_reason,
-                                    }
-                                ]
-                            )
-                        )
-            if self.body.stream_options and self.body.stream_options.include_usage:
-                yield sse(self._chunk([], usage=self.usage()))
-        except GenerationError as error:
-            yield sse(from_generation_error(error).body())
-        yield SSE_DONE
+    def stream_choices(
+        self, prompt_index: int, index: int, delta: TextDelta, first: bool
+    ) -> list[dict[str, Any]]:
+        text, ids, entries = delta.text, delta.token_ids, list(delta.logprobs or [])
+        if first and self.body.echo:
+            text = self.prompt_text(prompt_index) + text
+            state = self.generation.requests[prompt_index].state
+            ids, entries = self._with_prompt(prompt_index, ids, entries, state.prompt_logprobs)
+        logprobs = None
+        if self.body.logprobs is not None and entries:
+            offset = self._offsets.get(index, 0)
+            logprobs = self.logprobs(ids, entries, offset)
+            self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
+        if not text and delta.finish_reason is None and logprobs is None:
+            return []
+        return [
+            {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
+            }
+        ]
 
-    def _chunk(
-        self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
-    ) -> dict[str, Any]:
+    def final_choice(self, index: int, output: CompletionOutput) -> dict[str, Any]:
         return {
-            "id": self.response_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.ctx.model_name,
-            "choices": choices,
-            "usage": usage,
+            "index": index,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
         }
 
 

@@ -20,9 +20,6 @@ from typing import Any
 Encode = Callable[[Any], Any]
 Decode = Callable[[Any], Any]
 
-INT64_MIN = -(2**63)
-INT64_MAX = 2**63 - 1
-
 
 class WireError(ValueError):
     """A message that does not match its schema."""

@@ -1,13 +1,19 @@
-"""Model implementations, by the Hugging Face architecture name in ``config.json``."""
+"""Model implementations, by the Hugging Face architecture name in ``config.json``.
+
+The package itself imports no torch, so that the tokenizer (``pagedllm.models.tokenizer``)
+loads in processes that never compute (the API servers).
+"""
 
 from __future__ import annotations
 
-from pagedllm.models.llama import CausalLM
+# All served by pagedllm.models.llama.CausalLM (see pagedllm.models.loader.MODEL_CLASSES).
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 
-MODEL_CLASSES: dict[str, type[CausalLM]] = {
-    "LlamaForCausalLM": CausalLM,
-    "MistralForCausalLM": CausalLM,
-    "Qwen2ForCausalLM": CausalLM,
-    "Qwen3ForCausalLM": CausalLM,
-}
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(MODEL_CLASSES)
+
+class ModelLoadError(ValueError):
+    """A model directory that cannot be served; the message says what is wrong."""

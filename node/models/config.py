@@ -11,16 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedllm.models import SUPPORTED_ARCHITECTURES
+from pagedllm.models import SUPPORTED_ARCHITECTURES, ModelLoadError
 from pagedllm.models.layers import LinearRopeScaling, Llama3RopeScaling, RopeScaling
 
 DEFAULT_ROPE_THETA = 10000.0
 # Qwen2/Qwen3 with use_sliding_window: layers from this index on use the window.
 DEFAULT_MAX_WINDOW_LAYERS = 28
-
-
-class ModelLoadError(ValueError):
-    """A model directory that cannot be served; the message says what is wrong."""
 
 
 @dataclass(frozen=True)

@@ -11,26 +11,20 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from pagedllm.config import DTYPE_CHOICES, DTYPES
 from pagedllm.kernels import kernel_ops
-from pagedllm.models import MODEL_CLASSES, cpu_linear
-from pagedllm.models.config import ModelConfig, ModelLoadError, read_model_config
+from pagedllm.models import SUPPORTED_ARCHITECTURES, ModelLoadError, cpu_linear
+from pagedllm.models.config import ModelConfig, read_model_config
 from pagedllm.models.layers import PackableLinear, RotaryEmbedding
 from pagedllm.models.llama import CausalLM
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-DTYPE_CHOICES = ("auto", *DTYPES)
+MODEL_CLASSES: dict[str, type[CausalLM]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, CausalLM)
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 INDEX_FILE = "model.safetensors.index.json"
 
 # Fused parameters and the checkpoint tensors stacked (along rows) into them.
@@ -45,10 +39,10 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
     """``auto`` takes the checkpoint's dtype, float32 when it names none we serve."""
     if dtype == "auto":
-        return DTYPES.get(config.torch_dtype or "", torch.float32)
-    if dtype not in DTYPES:
+        return TORCH_DTYPES.get(config.torch_dtype or "", torch.float32)
+    if dtype not in TORCH_DTYPES:
         raise ModelLoadError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
-    return DTYPES[dtype]
+    return TORCH_DTYPES[dtype]
 
 
 def load_model(
@@ -84,19 +78,6 @@ def load_model(
             if isinstance(module, PackableLinear):
                 module.pack_weight()
     return model.eval(), config
-
-
-def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
-    # Imported here so that worker processes, which never tokenize, start without it.
-    from transformers import AutoTokenizer
-
-    directory = Path(model_dir).expanduser()
-    if not directory.is_dir():
-        raise ModelLoadError(f"model directory {directory} does not exist")
-    try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError, TypeError) as error:
-        raise ModelLoadError(f"cannot load a tokenizer from {directory}: {error}") from error
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,11 @@ class TextDelta:
     stop_reason: int | str | None
 
 
+# Tells the scheduler that a stop string ended sequence ``index`` (so it frees its blocks):
+# (index, the stop string) -> the request's final delta when the scheduler answers at once.
+StopSequence = Callable[[int, str], RequestDelta | None]
+
+
 @dataclass
 class RequestOutputState:
     request_id: str
@@ -55,6 +61,15 @@ class RequestOutputState:
                 IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens)
             )
         return self.seqs[index]
+
+    def apply(self, delta: RequestDelta, stop_sequence: StopSequence) -> list[TextDelta]:
+        """Apply one step, and tell the scheduler of every sequence a stop string ended."""
+        deltas, stopped = self.update(delta)
+        for index in stopped:
+            final = stop_sequence(index, str(self.seqs[index].stop_reason))
+            if final is not None:
+                deltas += self.update(final)[0]
+        return deltas
 
     def update(self, delta: RequestDelta) -> tuple[list[TextDelta], list[int]]:
         """Apply one step. Returns the stream deltas and the indices a stop string ended."""

@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from pagedllm.config import DTYPES, EngineConfig
+from pagedllm.config import DTYPE_CHOICES, EngineConfig, resolve_model_dir
 from pagedllm.kernels import BACKENDS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
@@ -123,7 +123,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"require `Authorization: Bearer KEY` on the API (default: "
         f"${API_KEY_ENV} if set, else no key)",
     )
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
     p.add_argument(
         "--gpu-memory-utilization",
@@ -239,8 +239,8 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
     # the demo model) stays on one thread, so that no OpenMP thread pool exists yet at the fork:
     # a pool inherited through fork deadlocks the child's first parallel region.
     torch.set_num_threads(1)
-    from pagedllm.llm_engine import resolve_model_dir
-    from pagedllm.models.config import ModelLoadError, read_model_config
+    from pagedllm.models import ModelLoadError
+    from pagedllm.models.config import read_model_config
 
     try:
         model_dir = os.path.abspath(resolve_model_dir(ns.model))

@@ -10,6 +10,7 @@ Figures of our own are named ``pagedllm:*``.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 from prometheus_client import (
@@ -22,7 +23,9 @@ from prometheus_client import (
     values,
 )
 
-from pagedllm.core.reporting import SchedulerStats
+if TYPE_CHECKING:
+    # Type-only: the API servers import this module and need no part of the scheduler.
+    from pagedllm.core.reporting import SchedulerStats
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LABEL = "model_name"
@@ -176,7 +179,8 @@ class SchedulerMetrics:
             model,
             STEP_BUCKETS,
         )
-        self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+        # The totals last reported, so that the counters grow by the difference.
+        self._totals: dict[Counter, int] = {}
 
     def set_capacity(self, num_blocks: int) -> None:
         self.num_blocks.set(num_blocks)
@@ -185,23 +189,23 @@ class SchedulerMetrics:
         self.step_duration.observe(seconds)
 
     def observe(self, stats: SchedulerStats) -> None:
-        last = self._last
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
-        for counter, now, before in (
-            (self.prefix_queries, stats.prefix_queries, last.prefix_queries),
-            (self.prefix_hits, stats.prefix_hits, last.prefix_hits),
-            (self.preemptions, stats.num_preemptions, last.num_preemptions),
-            (self.prompt_tokens, stats.prompt_tokens, last.prompt_tokens),
-            (self.generation_tokens, stats.generation_tokens, last.generation_tokens),
+        for counter, total in (
+            (self.prefix_queries, stats.prefix_queries),
+            (self.prefix_hits, stats.prefix_hits),
+            (self.preemptions, stats.num_preemptions),
+            (self.prompt_tokens, stats.prompt_tokens),
+            (self.generation_tokens, stats.generation_tokens),
         ):
-            if now > before:
-                counter.inc(now - before)
-        self._last = stats
+            before = self._totals.get(counter, 0)
+            if total > before:
+                counter.inc(total - before)
+            self._totals[counter] = total
 
 
-class RequestMetrics:
+class RequestRecorder:
     """An API server's view: what each request it answered experienced."""
 
     def __init__(self, model: str) -> None:

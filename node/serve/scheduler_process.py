@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, scheduler_config
 from pagedllm.core.output_buffer import OutputBuffer
 from pagedllm.core.request_delta import RequestDelta
 from pagedllm.core.scheduler import Scheduler
@@ -34,7 +34,6 @@ from pagedllm.ipc.messages import (
     StopSequence,
     WorkerReady,
 )
-from pagedllm.llm_engine import scheduler_config
 from pagedllm.serve.child_process import setup_child
 from pagedllm.serve.metrics import SchedulerMetrics
 

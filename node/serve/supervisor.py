@@ -1,12 +1,12 @@
 """`pagedllm serve`: start the node's processes, watch them, drain on SIGTERM.
 
-Start-up: the supervisor loads the tokenizer and the heavy libraries once (checking the model
-before anything starts), then forks the workers, the scheduler and the API servers, which
-inherit all of it instead of each importing torch and transformers again. It forks before it
-starts any thread (ZeroMQ's included), so the children begin clean; should CUDA already be
-initialized in the supervisor, the children are spawned instead. Each child reports ready
-on the supervisor's inbox; when all have, the API servers admit requests (until then /health
-answers 503).
+Start-up: the supervisor checks the model and its tokenizer before anything starts, then
+forks the workers and the scheduler, which inherit torch instead of each importing it again.
+It forks before it starts any thread (ZeroMQ's included), so the children begin clean; should
+CUDA already be initialized in the supervisor, they are spawned instead. The API servers,
+which never need torch, start as fresh interpreters (``python -m pagedllm.api.server``), so
+that they hold none of it. Each child reports ready on the supervisor's inbox; when all have,
+the API servers admit requests (until then /health answers 503).
 
 If any process dies, the node cannot go on (a missing rank stalls every step; a missing
 scheduler answers nothing): the API servers are told to fail their in-flight requests with a
@@ -25,20 +25,20 @@ import multiprocessing
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import zmq
 
-from pagedllm.api.server import ApiServerSpec, run_api_server
+from pagedllm.api.server import ApiServerSpec, encode_spec
 from pagedllm.ipc import sockets
 from pagedllm.ipc.messages import ApiServerIdle, Drain, NodeFailed, NodeReady, ProcessReady
-from pagedllm.models.config import ModelLoadError
-from pagedllm.models.loader import load_tokenizer
+from pagedllm.models import ModelLoadError
+from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.serve.args import ServeArgs
 from pagedllm.serve.child_process import LOG_FORMAT
 from pagedllm.serve.metrics import use_multiprocess_dir
@@ -50,15 +50,81 @@ log = logging.getLogger(__name__)
 # After a failure: time the API servers get to answer their clients with the error.
 FAILURE_FLUSH_S = 0.5
 # Time a process gets to exit after SIGTERM before it is killed.
-STOP_GRACE_S = 2.0
+TERMINATE_GRACE_S = 2.0
 POLL_MS = 100
+
+
+class ChildProcess(Protocol):
+    """What the supervisor needs of a child: multiprocessing's Process has it all."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def sentinel(self) -> int: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+class ApiServerProcess:
+    """``python -m pagedllm.api.server``, its spec written to its stdin, watched as a Process."""
+
+    def __init__(self, spec: ApiServerSpec) -> None:
+        self._popen = subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.api.server"],
+            stdin=subprocess.PIPE,
+            # Not the working directory first on sys.path: a folder there must not shadow a
+            # module (Python 3.11+).
+            env={**os.environ, "PYTHONSAFEPATH": "1"},
+        )
+        assert self._popen.stdin is not None
+        try:
+            with self._popen.stdin as stdin:
+                stdin.write(encode_spec(spec))
+        except BrokenPipeError:
+            pass  # it died at once; the watch reports how
+        # Readable once the process has exited, like a Process's sentinel.
+        self.sentinel = os.pidfd_open(self._popen.pid)
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; the exit status, or minus the signal that killed it."""
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def terminate(self) -> None:
+        self._popen.terminate()
+
+    def kill(self) -> None:
+        self._popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 @dataclass
 class Child:
     kind: str
     index: int
-    process: BaseProcess
+    process: ChildProcess
 
     @property
     def name(self) -> str:
@@ -70,9 +136,8 @@ class NodeFailure(Exception):
 
 
 class Supervisor:
-    def __init__(self, args: ServeArgs, tokenizer: Any) -> None:
+    def __init__(self, args: ServeArgs) -> None:
         self.args = args
-        self.tokenizer = tokenizer
         self.paths = sockets.make_ipc_dir()
         use_multiprocess_dir(self.paths.metrics_dir)
         self.children: list[Child] = []
@@ -123,6 +188,7 @@ class Supervisor:
             log.info("%s again: stopping now", signal.Signals(signum).name)
 
     def _start_children(self) -> None:
+        """The forked ones first: a fork must come before any thread, Popen needs not."""
         args, paths, pid = self.args, self.paths, os.getpid()
         plans: list[tuple[str, int, Any, Any]] = []
         for rank in range(args.engine.tensor_parallel_size):
@@ -152,34 +218,27 @@ class Supervisor:
                 ),
             )
         )
-        for index in range(args.api_server_count):
-            plans.append(
-                (
-                    "api_server",
-                    index,
-                    run_api_server,
-                    ApiServerSpec(
-                        index,
-                        paths,
-                        self.tokenizer,
-                        args.model_dir,
-                        args.model_names,
-                        args.max_model_len,
-                        args.vocab_size,
-                        args.api_key,
-                        args.host,
-                        args.port,
-                        args.log_level,
-                        pid,
-                        args.api_server_nice,
-                    ),
-                )
-            )
         context = multiprocessing.get_context(_start_method())
         for kind, index, target, spec in plans:
             process = context.Process(target=target, args=(spec,), name=f"pagedllm-{kind}-{index}")
             process.start()
             self.children.append(Child(kind, index, process))
+        for index in range(args.api_server_count):
+            spec = ApiServerSpec(
+                index,
+                paths,
+                args.model_dir,
+                args.model_names,
+                args.max_model_len,
+                args.vocab_size,
+                args.api_key,
+                args.host,
+                args.port,
+                args.log_level,
+                pid,
+                args.api_server_nice,
+            )
+            self.children.append(Child("api_server", index, ApiServerProcess(spec)))
 
     def _wait_until_ready(self) -> bool:
         """True once every process reported ready; False if a signal came first."""
@@ -247,7 +306,7 @@ class Supervisor:
             group = [c for c in self.children if c.kind in kinds and c.process.is_alive()]
             for child in group:
                 child.process.terminate()
-            deadline = time.monotonic() + STOP_GRACE_S
+            deadline = time.monotonic() + TERMINATE_GRACE_S
             for child in group:
                 child.process.join(max(0.0, deadline - time.monotonic()))
                 if child.process.is_alive():
@@ -273,8 +332,10 @@ def serve(args: ServeArgs) -> int:
         level=args.log_level.upper(), format=LOG_FORMAT.format(name="supervisor"), stream=sys.stderr
     )
     try:
-        tokenizer = load_tokenizer(args.model_dir)
+        # Checked here, so that a model without a usable tokenizer stops the node at once;
+        # each API server loads its own.
+        load_tokenizer(args.model_dir)
     except ModelLoadError as error:
         log.error("%s", error)
         return 2
-    return Supervisor(args, tokenizer).run()
+    return Supervisor(args).run()

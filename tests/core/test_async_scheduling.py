@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, scheduler_config
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.step_pipeline import StepPipeline
 from pagedllm.core.step_plan import (
@@ -27,7 +27,7 @@ from pagedllm.core.step_plan import (
     StepPlan,
     StepResult,
 )
-from pagedllm.llm_engine import LLMEngine, scheduler_config
+from pagedllm.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.plan_check import plan_problem
 

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from pagedllm.models import demo
 from pagedllm.models.config import read_model_config
 from pagedllm.models.demo import DEMO_MODEL_DIR_NAME, demo_model_dir, write_demo_model
-from pagedllm.models.loader import load_model, load_tokenizer
+from pagedllm.models.loader import load_model
+from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.worker.attention_metadata import AttentionMetadata
 
 BLOCK_SIZE = 16

@@ -27,11 +27,12 @@ from transformers import (
 )
 
 from pagedllm.kernels import reference
-from pagedllm.models import cpu_linear
-from pagedllm.models.config import ModelLoadError, read_model_config
+from pagedllm.models import ModelLoadError, cpu_linear
+from pagedllm.models.config import read_model_config
 from pagedllm.models.layers import LinearRopeScaling, Llama3RopeScaling, PackableLinear
 from pagedllm.models.llama import CausalLM
-from pagedllm.models.loader import load_model, load_tokenizer
+from pagedllm.models.loader import load_model
+from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from tests.tiny_models import save_hf_model
 

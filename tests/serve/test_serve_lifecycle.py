@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import msgpack
 import openai
 import pytest
+import torch
 import zmq
 
 from pagedllm.core.request_delta import RequestDelta
@@ -119,6 +122,30 @@ def test_the_api_servers_yield_the_cpu_to_the_worker(server: Server) -> None:
         assert os.getpriority(os.PRIO_PROCESS, server.pid(role)) == 5
     for role in ("worker 0", "scheduler"):
         assert os.getpriority(os.PRIO_PROCESS, server.pid(role)) == 0
+
+
+TORCH_LIBRARY = re.compile(r"/(libtorch[^/]*|libc10[^/]*|torch/_C[^/]*)$")
+
+
+def mapped_files(pid: int) -> set[str]:
+    """The files process ``pid`` has mapped: its libraries and extension modules."""
+    with open(f"/proc/{pid}/maps") as maps:
+        fields = [line.split(maxsplit=5) for line in maps]
+    return {f[5].strip() for f in fields if len(f) == 6 and f[5].startswith("/")}
+
+
+def test_the_api_servers_never_load_torch(server: Server) -> None:
+    torch_dir = str(Path(torch.__file__).parent) + "/"
+    # Where torch is loaded, the check sees it.
+    assert any(TORCH_LIBRARY.search(f) for f in mapped_files(server.pid("worker 0")))
+    for role in ("api server 0", "api server 1"):
+        pid = server.pid(role)
+        files = mapped_files(pid)
+        assert any("tokenizers" in f for f in files)  # the process that tokenizes
+        assert [f for f in files if TORCH_LIBRARY.search(f) or f.startswith(torch_dir)] == []
+        # A fresh interpreter, not a fork of the supervisor (which holds torch).
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            assert b"pagedllm.api.server" in cmdline.read()
 
 
 def test_malformed_messages_are_dropped_and_the_node_keeps_serving(server: Server) -> None:
