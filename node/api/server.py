@@ -70,7 +70,8 @@ def decode_spec(data: bytes) -> ApiServerSpec:
 
 
 def forbid_torch() -> None:
-    """Keep torch out of this process: it would cost hundreds of MiB and compute nothing.
+    """Keep torch out of this process, which computes nothing: its libraries alone are some
+    170 MiB of resident memory.
 
     transformers imports torch whenever it is installed, though a tokenizer asked for lists
     never needs it; marked absent, torch is neither loaded by transformers nor by any stray
