@@ -69,7 +69,9 @@ class _Server(uvicorn.Server):
 
 
 def run_api_server(spec: ApiServerSpec) -> None:
-    setup_child(f"api server {spec.index}", spec.log_level, spec.supervisor_pid)
+    setup_child(
+        f"api server {spec.index}", spec.log_level, spec.supervisor_pid, spec.ipc_paths.directory
+    )
     if spec.nice:
         os.nice(spec.nice)
     try:
