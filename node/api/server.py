@@ -119,7 +119,9 @@ def main(stdin: BinaryIO) -> None:
 
 def run_api_server(spec: ApiServerSpec) -> int:
     """Serve until SIGTERM; the exit status."""
-    setup_child(f"api server {spec.index}", spec.log_level, spec.supervisor_pid)
+    setup_child(
+        f"api server {spec.index}", spec.log_level, spec.supervisor_pid, spec.ipc_paths.directory
+    )
     if spec.nice:
         os.nice(spec.nice)
     try:

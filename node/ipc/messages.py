@@ -8,8 +8,10 @@ payload that does not fit raises ``WireError``; receivers log and drop it.
 Who sends what:
 - API server -> scheduler: AddRequest, AbortRequest, StopSequence
 - scheduler -> API server: RequestOutputs, RequestRejected
-- scheduler -> workers: StepPlan; worker rank 0 -> scheduler: WorkerReady, StepResult
-- every process -> supervisor: ProcessReady; API server -> supervisor: ApiServerIdle
+- scheduler -> workers: StepPlan; worker rank 0 -> scheduler: WorkerReady, StepResult,
+  StepRefused
+- every process -> supervisor: ProcessReady; API server -> supervisor: ApiServerIdle;
+  scheduler -> supervisor: NodeFailed (the node cannot make progress)
 - supervisor -> API servers: NodeReady, Drain, NodeFailed
 """
 
@@ -73,6 +75,16 @@ class WorkerReady:
     rank: int
     num_blocks: int
     max_model_len: int
+    # Rows of the model's embedding: every token id the workers are sent must be below it.
+    vocab_size: int
+
+
+@dataclass
+class StepRefused:
+    """A worker found a step plan impossible to execute and left its state untouched."""
+
+    step_id: int
+    reason: str
 
 
 @dataclass
@@ -110,6 +122,7 @@ Message = (
     | RequestOutputs
     | RequestRejected
     | WorkerReady
+    | StepRefused
     | ProcessReady
     | ApiServerIdle
     | NodeReady
@@ -141,7 +154,8 @@ SCHEMAS: dict[str, Schema] = {
         _typed("stop_sequence", StopSequence, 1),
         _typed("request_outputs", RequestOutputs, 3),
         _typed("request_rejected", RequestRejected, 1),
-        _typed("worker_ready", WorkerReady, 1),
+        _typed("worker_ready", WorkerReady, 2),
+        _typed("step_refused", StepRefused, 1),
         _typed("process_ready", ProcessReady, 1),
         _typed("api_server_idle", ApiServerIdle, 1),
         _typed("node_ready", NodeReady, 1),

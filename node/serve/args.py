@@ -35,6 +35,7 @@ class ServeArgs:
     api_key: str | None
     max_waiting: int | None
     shutdown_timeout: float
+    step_timeout: float
     api_server_count: int
     api_server_nice: int
     async_scheduling: bool
@@ -76,6 +77,13 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
     return value
 
 
@@ -186,6 +194,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, how long in-flight requests may run before exit",
     )
     p.add_argument(
+        "--step-timeout",
+        type=positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="the least time a step may take before the node is declared stuck and fails "
+        "(more for steps the measured speed says are long)",
+    )
+    p.add_argument(
         "--api-server-count",
         type=positive_int,
         default=1,
@@ -268,6 +284,7 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
         api_key=(ns.api_key or os.environ.get(API_KEY_ENV) or "").strip() or None,
         max_waiting=ns.max_waiting,
         shutdown_timeout=ns.shutdown_timeout,
+        step_timeout=ns.step_timeout,
         api_server_count=ns.api_server_count,
         api_server_nice=ns.api_server_nice,
         async_scheduling=ns.async_scheduling,

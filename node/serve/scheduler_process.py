@@ -7,6 +7,11 @@ one worker) the plan of the next step is sent before the samples of the current 
 its new tokens standing in as placeholders the worker fills in, so the worker never waits for
 this process; otherwise the next plan goes out as soon as the samples are in, before the
 outputs are encoded. With nothing to do it blocks on its inbox.
+
+A node that cannot make progress fails loudly: a step the workers refuse, a step whose results
+are overdue (``StepDeadline``) or results that cannot belong to the step end this process after
+it has told the supervisor why (``NodeFailed``), which fails every request in flight with that
+reason and exits non-zero, for Kubernetes to restart the pod.
 """
 
 from __future__ import annotations
@@ -22,15 +27,18 @@ from pagedllm.config import EngineConfig, scheduler_config
 from pagedllm.core.output_buffer import OutputBuffer
 from pagedllm.core.request_delta import RequestDelta
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.step_deadline import StepDeadline
 from pagedllm.core.step_pipeline import StepPipeline
 from pagedllm.core.step_plan import StepPlan, StepResult
 from pagedllm.ipc import messages, sockets
 from pagedllm.ipc.messages import (
     AbortRequest,
     AddRequest,
+    NodeFailed,
     ProcessReady,
     RequestOutputs,
     RequestRejected,
+    StepRefused,
     StopSequence,
     WorkerReady,
 )
@@ -39,6 +47,12 @@ from pagedllm.serve.metrics import SchedulerMetrics
 
 log = logging.getLogger(__name__)
 WHERE = "scheduler"
+# After telling the supervisor the node is stuck: how long to wait to be stopped by it.
+STOPPED_BY_SUPERVISOR_S = 10.0
+
+
+class NodeStuck(Exception):
+    """The workers will not or cannot finish the step the scheduler waits for."""
 
 
 @dataclass
@@ -52,12 +66,19 @@ class SchedulerSpec:
     log_level: str
     supervisor_pid: int
     async_scheduling: bool = True
+    step_timeout: float = 60.0
 
 
 def run_scheduler(spec: SchedulerSpec) -> None:
-    setup_child("scheduler", spec.log_level, spec.supervisor_pid)
+    setup_child("scheduler", spec.log_level, spec.supervisor_pid, spec.ipc_paths.directory)
     try:
-        SchedulerLoop(spec).run()
+        loop = SchedulerLoop(spec)
+        loop.run()
+    except NodeStuck as stuck:
+        log.error("%s", stuck)
+        sockets.send(loop.control, NodeFailed(str(stuck)))
+        time.sleep(STOPPED_BY_SUPERVISOR_S)
+        sys.exit(1)
     except Exception:
         log.exception("scheduler failed")
         sys.exit(1)
@@ -90,6 +111,8 @@ class SchedulerLoop:
         self.scheduler = Scheduler(
             scheduler_config(spec.config, ready.num_blocks, ready.max_model_len)
         )
+        self.vocab_size = ready.vocab_size
+        self.deadline = StepDeadline(spec.step_timeout)
         self.metrics.set_capacity(ready.num_blocks)
 
     def _wait_for_workers(self) -> WorkerReady:
@@ -113,9 +136,7 @@ class SchedulerLoop:
                     self._receive(block=True)
                 self._receive(block=False)
             pipeline.send_next()
-            deltas = pipeline.complete(
-                lambda plan: self._await_result(plan.step_id), lambda: self._receive(block=False)
-            )
+            deltas = pipeline.complete(self._await_result, lambda: self._receive(block=False))
             self._send_outputs(deltas)
             self.metrics.observe(self.scheduler.stats())
 
@@ -125,24 +146,64 @@ class SchedulerLoop:
             worker.send(data)
         self._sent_at[plan.step_id] = time.perf_counter()
 
-    def _await_result(self, step_id: int) -> StepResult:
-        """Rank 0's result for ``step_id``; requests arriving meanwhile are taken in."""
+    def _await_result(self, plan: StepPlan) -> StepResult:
+        """Rank 0's result for ``plan``; requests arriving meanwhile are taken in. Raises
+        NodeStuck when the workers refuse the plan, answer it with results that cannot be
+        its own, or let its deadline pass."""
+        step_id = plan.step_id
+        waited_from = time.perf_counter()
+        allowed = self.deadline.seconds_for(plan.num_tokens)
         while True:
-            ready = dict(self.poller.poll())
+            left = waited_from + allowed - time.perf_counter()
+            if left <= 0:
+                raise NodeStuck(
+                    f"step {step_id} ({plan.num_tokens} tokens, {len(plan.scheduled)} "
+                    f"sequences) is overdue: no result from the workers after {allowed:.0f} s "
+                    "(--step-timeout)"
+                )
+            ready = dict(self.poller.poll(max(1, int(left * 1000))))
             if self.requests in ready:
                 self._receive(block=False)
-            if self.results in ready:
-                message = sockets.parse(self.results.recv(), WHERE)
-                if isinstance(message, StepResult) and message.step_id == step_id:
-                    # The workers' time on this step: from the plan's arrival or the end of
-                    # the step before, whichever came last.
-                    now = time.perf_counter()
-                    started = max(self._sent_at.pop(step_id, now), self._last_result_at)
-                    self.metrics.observe_step(now - started)
-                    self._last_result_at = now
-                    return message
-                if message is not None:
-                    log.warning("ignored an unexpected %s from the workers", type(message).__name__)
+            if self.results not in ready:
+                continue
+            message = sockets.parse(self.results.recv(), WHERE)
+            if isinstance(message, StepRefused):
+                if message.step_id in self._sent_at:
+                    raise NodeStuck(
+                        f"the workers refused step plan {message.step_id}: {message.reason}"
+                    )
+                log.warning(
+                    "ignored the workers' refusal of step plan %d, which this scheduler did "
+                    "not send: %s",
+                    message.step_id,
+                    message.reason,
+                )
+                continue
+            if isinstance(message, StepResult) and message.step_id == step_id:
+                problem = self._result_problem(plan, message)
+                if problem is not None:
+                    raise NodeStuck(f"the workers' result of step {step_id} {problem}")
+                # The workers' time on this step: from the plan's arrival or the end of
+                # the step before, whichever came last.
+                now = time.perf_counter()
+                started = max(self._sent_at.pop(step_id, now), self._last_result_at)
+                self.metrics.observe_step(now - started)
+                self.deadline.observe(plan.num_tokens, now - started)
+                self._last_result_at = now
+                return message
+            if message is not None:
+                log.warning("ignored an unexpected %s from the workers", type(message).__name__)
+
+    def _result_problem(self, plan: StepPlan, result: StepResult) -> str | None:
+        """What makes ``result`` impossible as the answer to ``plan``, or None."""
+        scheduled = {seq_id for seq_id, _ in plan.scheduled}
+        for part in (*result.samples, *result.prompt_logprobs):
+            if part.seq_id not in scheduled:
+                return f"has an entry for sequence {part.seq_id}, which the step did not run"
+        tokens = [t for s in result.samples for t in s.token_ids]
+        if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
+            return f"samples token ids outside [0, {self.vocab_size})"
+        return None
 
     def _receive(self, block: bool) -> None:
         """Take in what the API servers sent: everything queued, after waiting for the first
@@ -179,6 +240,17 @@ class SchedulerLoop:
             )
             return
         client = self.api_servers[message.client_index]
+        ids = message.prompt_token_ids
+        if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
+            sockets.send(
+                client,
+                RequestRejected(
+                    message.request_id,
+                    400,
+                    f"prompt token ids must be in [0, {self.vocab_size}) for this model",
+                ),
+            )
+            return
         limit = self.spec.max_waiting
         if limit is not None and len(self.scheduler.waiting) >= limit:
             sockets.send(

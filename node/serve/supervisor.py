@@ -215,6 +215,7 @@ class Supervisor:
                     args.log_level,
                     pid,
                     args.async_scheduling,
+                    args.step_timeout,
                 ),
             )
         )
@@ -274,7 +275,7 @@ class Supervisor:
 
     def _poll(self) -> list[Any]:
         """Messages that arrived within one poll interval; raises NodeFailure when a process
-        has died."""
+        has died or reported that the node cannot make progress."""
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         for child in self.children:
@@ -283,18 +284,21 @@ class Supervisor:
             poller.poll(POLL_MS)
         except zmq.ZMQError:
             pass  # interrupted by a signal
-        dead = [c for c in self.children if c.process.exitcode is not None]
-        if dead:
-            raise NodeFailure("; ".join(_death(c) for c in dead))
         received = []
         while True:
             try:
                 data = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return received
+                break
             message = sockets.parse(data, "supervisor")
+            if isinstance(message, NodeFailed):  # a child says the node cannot go on
+                raise NodeFailure(message.reason)
             if message is not None:
                 received.append(message)
+        dead = [c for c in self.children if c.process.exitcode is not None]
+        if dead:
+            raise NodeFailure("; ".join(_death(c) for c in dead))
+        return received
 
     def _broadcast(self, message: Any) -> None:
         for sock in getattr(self, "api_servers", []):

@@ -18,7 +18,7 @@ import zmq
 from pagedllm.config import EngineConfig
 from pagedllm.core.step_plan import StepPlan
 from pagedllm.ipc import sockets
-from pagedllm.ipc.messages import ProcessReady, WorkerReady
+from pagedllm.ipc.messages import ProcessReady, StepRefused, WorkerReady
 from pagedllm.serve.child_process import setup_child
 from pagedllm.worker.model_runner import ModelRunner, resolve_device
 from pagedllm.worker.plan_check import plan_problem
@@ -61,7 +61,9 @@ def _positive_env(name: str) -> int | None:
 
 
 def run_worker(spec: WorkerSpec) -> None:
-    setup_child(f"worker {spec.rank}", spec.log_level, spec.supervisor_pid)
+    setup_child(
+        f"worker {spec.rank}", spec.log_level, spec.supervisor_pid, spec.ipc_paths.directory
+    )
     try:
         _serve(spec)
     except Exception:
@@ -83,12 +85,18 @@ def _serve(spec: WorkerSpec) -> None:
             world_size=tp_size,
         )
     runner = ModelRunner(config, spec.model_dir, tp_rank=rank, tp_size=tp_size)
+    # Kernels built and first-call caches filled now, so that no step of a ready node is
+    # slow for a reason its step deadline cannot know.
+    runner.warm_up()
     paths = spec.ipc_paths
     ctx = zmq.Context()
     plans = sockets.pull(ctx, paths.plans(rank))
     results = sockets.push(ctx, paths.results) if rank == 0 else None
+    vocab_size = runner.model_config.vocab_size
     if results is not None:
-        sockets.send(results, WorkerReady(rank, runner.num_blocks, runner.max_model_len))
+        sockets.send(
+            results, WorkerReady(rank, runner.num_blocks, runner.max_model_len, vocab_size)
+        )
     control = sockets.push(ctx, paths.control)
     sockets.send(control, ProcessReady("worker", rank))
     log.info("ready: %d KV blocks, max_model_len %d", runner.num_blocks, runner.max_model_len)
@@ -108,7 +116,10 @@ def _serve(spec: WorkerSpec) -> None:
             runner.last_samples,
         )
         if problem is not None:
-            log.warning("%s: dropped step plan %d: %s", where, plan.step_id, problem)
+            # Never silently: the scheduler waits for this step and must learn it will not come.
+            log.error("%s: refused step plan %d: %s", where, plan.step_id, problem)
+            if results is not None:
+                sockets.send(results, StepRefused(plan.step_id, problem))
             continue
         result = runner.execute(plan)
         if results is not None:

@@ -13,6 +13,8 @@ from pagedllm.core.step_plan import (
     LAST_SAMPLE,
     NewSequence,
     PromptLogprobs,
+    RunningUpdate,
+    SamplingSpec,
     SeqSample,
     StepPlan,
     StepResult,
@@ -24,6 +26,9 @@ from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.sampler import SampleRow, sample
 
 log = logging.getLogger(__name__)
+# Ids of the warm-up's sequence and step: the scheduler's count up from 0.
+WARM_UP_SEQ = -1
+WARM_UP_STEP = -1
 
 
 def resolve_device(name: str) -> torch.device:
@@ -138,6 +143,21 @@ class ModelRunner:
         return budget
 
     # ----- executing a plan ----------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """A three-token prefill and one decode step of a sequence no scheduler uses, then
+        forgotten: the attention kernels are built or loaded and every first-call cost is
+        paid before the worker reports ready. Its KV slots are overwritten before any later
+        sequence reads them."""
+        prompt = [0, 1, 2]
+        blocks = list(range(-(-(len(prompt) + 1) // self.block_size)))
+        greedy = SamplingSpec(temperature=0.0)
+        new = NewSequence(WARM_UP_SEQ, prompt, len(prompt), blocks, 0, 0, greedy)
+        self.execute(StepPlan(WARM_UP_STEP, new=[new], scheduled=[(WARM_UP_SEQ, len(prompt))]))
+        # An explicit token, not LAST_SAMPLE: only rank 0 samples.
+        decode = RunningUpdate(WARM_UP_SEQ, [0], len(blocks), [], len(prompt))
+        self.execute(StepPlan(WARM_UP_STEP, running=[decode], scheduled=[(WARM_UP_SEQ, 1)]))
+        self.execute(StepPlan(WARM_UP_STEP, finished=[WARM_UP_SEQ]))
 
     def _apply(self, plan: StepPlan) -> None:
         for seq_id in plan.finished:

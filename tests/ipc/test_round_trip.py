@@ -19,12 +19,13 @@ from hypothesis import strategies as st
 
 from pagedllm.core.step_plan import SeqSample, StepPlan, StepResult
 from pagedllm.ipc import messages
-from pagedllm.ipc.codec import INT64_MAX, INT64_MIN
 from pagedllm.ipc.step_codec import decode_plan, decode_result, encode_plan, encode_result
 from pagedllm.sampling_params import SamplingParams
 
 MESSAGE_CLASSES = sorted({s.cls for s in messages.SCHEMAS.values()}, key=lambda c: c.__name__)
 
+# msgpack carries 64-bit integers.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 ints = st.integers(INT64_MIN, INT64_MAX)
 
 

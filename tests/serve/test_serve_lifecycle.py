@@ -191,7 +191,8 @@ def test_malformed_messages_are_dropped_and_the_node_keeps_serving(server: Serve
         lambda: server.log().count("dropped a malformed message") >= 7 * 6,
         what="the junk to be logged",
     )
-    assert "dropped step plan 1000000: running update for unknown sequence" in server.log()
+    assert "refused step plan 1000000: running update for unknown sequence" in server.log()
+    assert "ignored the workers' refusal of step plan 1000000" in server.log()
     assert server.process.poll() is None and server.health() == 200
 
 
