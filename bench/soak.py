@@ -12,6 +12,7 @@ round; ``/health`` and the small requests answer within 100 ms while the large p
 tokenized.
 
     python bench/soak.py [--rounds 40] [--warmup 5] [--streams 200] [--no-large-prompts]
+                         [--name soak]
 """
 
 from __future__ import annotations
@@ -198,6 +199,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--streams", type=int, default=200)
     parser.add_argument("--no-large-prompts", action="store_true")
+    parser.add_argument("--name", default="soak", help="file name of the results")
     args = parser.parse_args()
     if not 0 < args.warmup < args.rounds:
         parser.error("need 0 < --warmup < --rounds")
@@ -276,9 +278,9 @@ def main() -> None:
     axis.set_ylabel("resident memory (MB)")
     axis.set_title(f"pagedllm serve, {args.streams} streams a round, half hanging up")
     axis.legend()
-    figure = save_figure(fig, "soak")
+    figure = save_figure(fig, args.name)
     result = write_json(
-        "soak",
+        args.name,
         {
             "machine": machine_info(),
             "rounds": args.rounds,
