@@ -19,11 +19,12 @@ PACK_BATCH_HINT = 64
 # oneDNN (and ideep above it) keep a primitive, with its JIT code and scratchpad, for every
 # input shape they see, up to 1,024 of each: about 0.6 MB per (weight shape, row count). A
 # server sees every row count up to its token budget, so matmuls run on a bounded set of row
-# counts: whole multiples of ROW_PIECE in one call, the rest padded up to a multiple of
-# ROW_STEP (exact up to ROW_STEP rows). Padding costs little: below ROW_PIECE rows the matmul
-# is bound by reading the weight, not by the rows.
+# counts: whole multiples of ROW_PIECE in one call, the rest padded up to the next of a few
+# sizes per power of two (exact up to EXACT_ROWS rows), which wastes less than an eighth of
+# the rows: beyond a few dozen rows these matmuls are bound by compute, and the padding costs
+# what it computes.
 ROW_PIECE = 256
-ROW_STEP = 16
+EXACT_ROWS = 8
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -43,12 +44,21 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
 
 
+def padded_rows(rows: int) -> int:
+    """The row count a matmul of ``rows`` rows (fewer than ``ROW_PIECE``) runs on: eight sizes
+    per power of two."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 4)  # an eighth of the power of two at or below rows
+    return -(-rows // step) * step
+
+
 def row_pieces(rows: int) -> list[tuple[int, int]]:
     """``(rows taken, rows computed)`` for each matmul call over ``rows`` input rows."""
     whole, rest = divmod(rows, ROW_PIECE)
     pieces = [(whole * ROW_PIECE, whole * ROW_PIECE)] if whole else []
     if rest:
-        pieces.append((rest, rest if rest <= ROW_STEP else -(-rest // ROW_STEP) * ROW_STEP))
+        pieces.append((rest, padded_rows(rest)))
     return pieces
 
 
