@@ -205,6 +205,11 @@ def _attention_batch(mode: str, group: int, head_dim: int, dtype: torch.dtype):
     return q, k_cache, block_tables, cu_seqlens_q, seq_lens_k, max(q_lens)
 
 
+def _supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the dispatcher takes this cache (it refuses fp32 above FP32_MAX_HEAD_DIM)."""
+    return dtype != torch.float32 or head_dim <= unified_attention.FP32_MAX_HEAD_DIM
+
+
 def _attention_launches(capability: tuple[int, int]) -> list[Launch]:
     current: list[Config] = [Config("", "", "", 0)]
     with _recording(current) as launches:
@@ -220,6 +225,8 @@ def _attention_launches(capability: tuple[int, int]) -> list[Launch]:
                             current[0] = Config(
                                 "attention", mode, DTYPE_NAMES[dtype], head_dim, detail
                             )
+                            if not _supported(dtype, head_dim):
+                                continue
                             unified_attention.unified_attention(
                                 q, k_cache, k_cache, block_tables, cu_seqlens_q,
                                 seq_lens_k, 0.1, window, max_q, splits, capability,
@@ -421,10 +428,11 @@ def _cell(results: list[Result]) -> str:
     return f"{registers} / {spills} / {shared / 1024:.0f}"
 
 
-def _launch_shape(results: list[Result]) -> str:
+def _launch_shape(results: list[Result]) -> list[str]:
+    """The warps and the pipeline stages used, each as "a/b" where they vary."""
     warps = sorted({result.num_warps for result in results})
     stages = sorted({result.num_stages for result in results})
-    return f"{'/'.join(map(str, warps))} | {'/'.join(map(str, stages))}"
+    return ["/".join(map(str, warps)), "/".join(map(str, stages))]
 
 
 def table(rows: list[Row], full: bool) -> str:
@@ -438,11 +446,11 @@ def table(rows: list[Row], full: bool) -> str:
             key += (config.dtype, config.detail)
         groups.setdefault(key, []).append(row)
     head = ["kernel", "batch", "head size"] + (["dtype", "configuration"] if full else [])
-    head += ["configs", "warps | stages"] + [f"sm_{target}" for target in TARGETS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * (len(head) + 1)]
+    head += ["configs", "warps", "stages"] + [f"sm_{target}" for target in TARGETS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, members in groups.items():
         everything = [result for row in members for result in row.results.values()]
-        cells = [str(part) for part in key] + [str(len(members)), _launch_shape(everything)]
+        cells = [str(part) for part in key] + [str(len(members)), *_launch_shape(everything)]
         for target in TARGETS:
             cells.append(_cell([row.results[target] for row in members]))
         lines.append("| " + " | ".join(cells) + " |")

@@ -59,17 +59,20 @@ def tile_shape(
     head_bytes = head_dim_padded * element_size
     if element_size == 4:
         # fp32 multiplies on CUDA cores (no tensor cores), operands and products held per
-        # thread: the smallest tiles, and two stages.
-        warps = 8 if head_dim_padded > 128 else 4
-        return TileShape(query_rows=MIN_DOT_SIZE, keys=MIN_DOT_SIZE, num_warps=warps, num_stages=2)
+        # thread: the smallest tiles, and the warps and stages that ptxas fits without spills
+        # on every target (found by bench/kernels_aot.py; neighbours spill on some).
+        warps, stages = (4, 1) if head_dim_padded <= 64 else (4, 3)
+        if head_dim_padded > 128:
+            warps, stages = 8, 1
+        return TileShape(MIN_DOT_SIZE, MIN_DOT_SIZE, num_warps=warps, num_stages=stages)
     if decode:
         # One query row per head of the group: K/V tiles of 8 KiB, so that a thread's share
         # of K, V and the scores stays in registers beside the fp32 accumulator; at 256 dims
         # a third stage in flight costs registers.
         stages = 3 if head_dim_padded <= 128 else 2
         return TileShape(MIN_DOT_SIZE, _keys(8 * 1024, head_bytes), num_warps=4, num_stages=stages)
-    # Eight warps hold the 128 x 128 (or 64 x 256) fp32 accumulator. sm_90's wgmma keeps the
-    # accumulator out of the way of the K/V operands; sm_8x's mma needs 8 KiB K/V tiles there.
+    # Eight warps hold the 128 x 128 (or 64 x 256) fp32 accumulator. On sm_8x (mma, not
+    # sm_90's wgmma) 16 KiB K/V tiles beside it spill, 8 KiB ones do not.
     rows = 128 if head_dim_padded <= 128 else 64
     kv_tile_bytes = 16 * 1024 if capability >= (9, 0) else 8 * 1024
     return TileShape(rows, _keys(kv_tile_bytes, head_bytes), num_warps=8, num_stages=3)
@@ -352,6 +355,10 @@ def _merge_kv_splits_kernel(
     )
 
 
+# fp32 tiles at head size 256 spill on sm_86/89/90 whatever the warps and stages tried.
+FP32_MAX_HEAD_DIM = 128
+
+
 def unified_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -375,6 +382,12 @@ def unified_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    if k_cache.dtype == torch.float32 and head_dim > FP32_MAX_HEAD_DIM and not is_interpreting():
+        raise ValueError(
+            f"the Triton attention kernel takes float32 KV caches up to head size "
+            f"{FP32_MAX_HEAD_DIM} (larger fp32 tiles spill registers); got {head_dim}: "
+            "use a float16 or bfloat16 cache"
+        )
     if q.stride(-1) != 1:
         q = q.contiguous()
 
