@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One-shot check of the Triton kernels on a CUDA machine where nothing can be installed:
-# the kernel tests compiled for the GPU, then the bandwidth benchmark. Needs a Python with
+# the kernel tests compiled for the GPU, the ahead-of-time compile table (registers, spills,
+# shared memory of every kernel configuration for sm_80/86/89/90, bench/kernels_aot.py) with
+# this machine's Triton, then the bandwidth benchmark. Needs a Python with
 # torch (CUDA) and triton; pytest is optional (without it only the benchmark runs, and it
 # still checks the kernel's output against SDPA). pagedllm need not be installed: without it
 # the checkout is put on PYTHONPATH as a tree of links laid out as the wheel lays it out.
@@ -8,7 +10,7 @@
 #   bash bench/gpu_check.sh            # everything lands in gpu-out/ at the repository root
 #   OUT=/some/dir bash bench/gpu_check.sh
 #
-# Exit status: 0 when the tests and the benchmark both pass, else 1.
+# Exit status: 0 when the tests, the compile table and the benchmark all pass, else 1.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)" || exit 1
@@ -89,6 +91,16 @@ if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
     fi
 else
     say "tests: skipped, this python has no pytest (the benchmark still checks outputs)"
+fi
+
+timeout 600 "$PYTHON" bench/kernels_aot.py --json "$OUT/kernels_aot.json" 2>&1 \
+    | tee "$OUT/kernels_aot.txt"
+aot=${PIPESTATUS[0]}
+if [[ $aot -eq 0 ]]; then
+    say "aot compile table: no compile errors, spills or shared-memory overruns ($(tail -n 1 "$OUT/kernels_aot.txt"))"
+else
+    say "aot compile table: FAILED with status $aot ($(tail -n 1 "$OUT/kernels_aot.txt"))"
+    status=1
 fi
 
 timeout 240 "$PYTHON" bench/kernels.py --output "$OUT/kernels.json" 2>&1 | tee "$OUT/bench.log"

@@ -18,19 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.kernels.triton_device import is_interpreting, tl, triton
+from pagedllm.kernels.triton_device import compute_capability, is_interpreting, tl, triton
 
-# Bounds the Q tile and each K/V tile of a program in bytes, so that registers and the
-# pipelined shared-memory stages fit for every head size and dtype.
-Q_TILE_BYTES = 32 * 1024
-KV_TILE_BYTES = 16 * 1024
-MAX_QUERY_ROWS = 128
-MAX_TILE_KEYS = 64
 # The smallest tile tl.dot accepts on NVIDIA GPUs.
 MIN_DOT_SIZE = 16
 
 MIN_KEYS_PER_SPLIT = 512
 MAX_KV_SPLITS = 32
+
+# Where the compute capability is unknown (the interpreter) the tiles are chosen as for sm_90.
+DEFAULT_CAPABILITY = (9, 0)
 
 
 @dataclass(frozen=True)
@@ -39,17 +36,77 @@ class AttentionTiles:
     queries: int  # queries per program: query_rows // group
     keys: int  # keys per step of the KV walk
     num_warps: int
+    num_stages: int
 
 
-def choose_tiles(head_dim: int, element_size: int, group: int, max_seqlen_q: int) -> AttentionTiles:
-    head_bytes = triton.next_power_of_2(head_dim) * element_size
-    wanted_rows = triton.next_power_of_2(max_seqlen_q * group)
-    rows = min(wanted_rows, MAX_QUERY_ROWS, Q_TILE_BYTES // head_bytes)
-    rows = max(rows, MIN_DOT_SIZE, triton.next_power_of_2(group))
-    keys = max(MIN_DOT_SIZE, min(MAX_TILE_KEYS, KV_TILE_BYTES // head_bytes))
-    # Eight warps once the fp32 accumulator reaches 64 KiB, so it stays in registers.
-    num_warps = 8 if rows * head_bytes // element_size >= 128 * 128 else 4
-    return AttentionTiles(query_rows=rows, queries=rows // group, keys=keys, num_warps=num_warps)
+@dataclass(frozen=True)
+class TileShape:
+    query_rows: int  # (query, head) rows; more when a GQA group alone has more heads
+    keys: int
+    num_warps: int
+    num_stages: int
+
+
+def tile_shape(
+    head_dim_padded: int, element_size: int, decode: bool, capability: tuple[int, int]
+) -> TileShape:
+    """The largest tiles that keep a program's accumulator, Q tile and scores in registers
+    and its pipelined K/V stages in shared memory, without spilling, on this target.
+
+    Chosen from ``bench/kernels_aot.py``'s table (registers, spills and shared memory of every
+    configuration compiled for sm_80, sm_86, sm_89 and sm_90); see the README's Kernels section.
+    """
+    head_bytes = head_dim_padded * element_size
+    if element_size == 4:
+        # fp32 multiplies on CUDA cores (no tensor cores), operands and products held per
+        # thread: the smallest tiles, and the warps and stages that ptxas fits without spills
+        # on every target (found by bench/kernels_aot.py; neighbours spill on some).
+        warps, stages = (4, 1) if head_dim_padded <= 64 else (4, 3)
+        if head_dim_padded > 128:
+            warps, stages = 8, 1
+        return TileShape(MIN_DOT_SIZE, MIN_DOT_SIZE, num_warps=warps, num_stages=stages)
+    if decode:
+        # One query row per head of the group: K/V tiles of 8 KiB, so that a thread's share
+        # of K, V and the scores stays in registers beside the fp32 accumulator; at 256 dims
+        # a third stage in flight costs registers.
+        stages = 3 if head_dim_padded <= 128 else 2
+        return TileShape(MIN_DOT_SIZE, _keys(8 * 1024, head_bytes), num_warps=4, num_stages=stages)
+    # Eight warps hold the 128 x 128 (or 64 x 256) fp32 accumulator. On sm_8x (mma, not
+    # sm_90's wgmma) 16 KiB K/V tiles beside it spill, 8 KiB ones do not.
+    rows = 128 if head_dim_padded <= 128 else 64
+    kv_tile_bytes = 16 * 1024 if capability >= (9, 0) else 8 * 1024
+    return TileShape(rows, _keys(kv_tile_bytes, head_bytes), num_warps=8, num_stages=3)
+
+
+def _keys(tile_bytes: int, head_bytes: int) -> int:
+    return max(MIN_DOT_SIZE, min(64, tile_bytes // head_bytes))
+
+
+def choose_tiles(
+    head_dim: int,
+    element_size: int,
+    group: int,
+    max_seqlen_q: int,
+    capability: tuple[int, int] = DEFAULT_CAPABILITY,
+) -> AttentionTiles:
+    """Tiles for a batch whose longest query run is ``max_seqlen_q``: the decode tile when every
+    sequence brings one query, else the prefill tile (chunked prefill and mixed batches).
+
+    Two tile shapes per target, head size and dtype, not one per query count, so that a
+    server compiles (and ``bench/kernels_aot.py`` checks) few kernel variants; a prefill tile
+    larger than a short chunk costs tensor-core work, not memory traffic.
+    """
+    shape = tile_shape(
+        triton.next_power_of_2(head_dim), element_size, max_seqlen_q == 1, capability
+    )
+    rows = max(shape.query_rows, triton.next_power_of_2(group))
+    return AttentionTiles(
+        query_rows=rows,
+        queries=rows // group,
+        keys=shape.keys,
+        num_warps=shape.num_warps,
+        num_stages=shape.num_stages,
+    )
 
 
 def choose_num_kv_splits(
@@ -75,17 +132,17 @@ def choose_num_kv_splits(
 
 
 @triton.jit
-def _find_sequence(cu_seqlens_q_ptr, tile_index, num_seqs, QUERIES: tl.constexpr):
+def _find_sequence(cu_seqlens_q_ptr, tile_index, num_seqs, queries):
     """The sequence owning query tile ``tile_index``.
 
-    Sequence ``i``'s tiles start at ``cu_seqlens_q[i] // QUERIES + i``: enough room for its
-    ``ceil(q_len / QUERIES)`` tiles, found without a host round trip.
+    Sequence ``i``'s tiles start at ``cu_seqlens_q[i] // queries + i``: enough room for its
+    ``ceil(q_len / queries)`` tiles, found without a host round trip.
     """
     low: tl.int32 = 0
     high = num_seqs
     while low < high:
         middle = (low + high) // 2
-        first_tile = tl.load(cu_seqlens_q_ptr + middle) // QUERIES + middle
+        first_tile = tl.load(cu_seqlens_q_ptr + middle) // queries + middle
         if first_tile <= tile_index:
             low = middle + 1
         else:
@@ -93,7 +150,19 @@ def _find_sequence(cu_seqlens_q_ptr, tile_index, num_seqs, QUERIES: tl.constexpr
     return low - 1
 
 
-@triton.jit
+# Counts that change from batch to batch or model to model are not specialised on (Triton
+# would compile a variant for 1 and for multiples of 16): they only index, and one compiled
+# kernel per tile shape then serves every batch and GQA group.
+@triton.jit(
+    do_not_specialize=[
+        "sliding_window",
+        "num_seqs",
+        "num_heads",
+        "num_kv_splits",
+        "group",
+        "queries",
+    ]
+)
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     partial_out_ptr,  # [num_tokens, num_heads, num_kv_splits, HEAD_DIM_PADDED] fp32
@@ -110,6 +179,8 @@ def _paged_attention_kernel(
     num_seqs: tl.int32,
     num_heads: tl.int32,
     num_kv_splits: tl.int32,
+    group: tl.int32,
+    queries: tl.int32,  # per program: QUERY_ROWS // group
     stride_q_token: tl.int64,
     stride_q_head: tl.int64,
     stride_out_token: tl.int64,
@@ -121,9 +192,7 @@ def _paged_attention_kernel(
     stride_v_slot: tl.int64,
     stride_v_head: tl.int64,
     stride_table_seq: tl.int64,
-    GROUP: tl.constexpr,
     QUERY_ROWS: tl.constexpr,
-    QUERIES: tl.constexpr,
     TILE_KEYS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -137,19 +206,19 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_sequence(cu_seqlens_q_ptr, tile_index, num_seqs, QUERIES)
+    seq = _find_sequence(cu_seqlens_q_ptr, tile_index, num_seqs, queries)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    first_query = (tile_index - (q_start // QUERIES + seq)) * QUERIES
+    first_query = (tile_index - (q_start // queries + seq)) * queries
     if first_query >= q_len:
         return
     kv_len = tl.load(seq_lens_k_ptr + seq)
     context_len = kv_len - q_len
 
     rows = tl.arange(0, QUERY_ROWS)
-    query = first_query + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_valid = (rows < QUERIES * GROUP) & (query < q_len)
+    query = first_query + rows // group
+    head = kv_head * group + rows % group
+    row_valid = (rows < queries * group) & (query < q_len)
     token = (q_start + query).to(tl.int64)
     query_pos = context_len + query
     dims = tl.arange(0, HEAD_DIM_PADDED)
@@ -166,7 +235,7 @@ def _paged_attention_kernel(
         q = q.to(k_cache_ptr.dtype.element_ty)
 
     # Keys any row of this tile can see: causal up to its last query, windowed from its first.
-    last_query = tl.minimum(first_query + QUERIES, q_len) - 1
+    last_query = tl.minimum(first_query + queries, q_len) - 1
     kv_end = context_len + last_query + 1
     first_tile = 0
     if USE_WINDOW:
@@ -247,7 +316,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "num_kv_splits"])
 def _merge_kv_splits_kernel(
     out_ptr,
     partial_out_ptr,
@@ -286,6 +355,10 @@ def _merge_kv_splits_kernel(
     )
 
 
+# fp32 tiles at head size 256 spill on sm_86/89/90 whatever the warps and stages tried.
+FP32_MAX_HEAD_DIM = 128
+
+
 def unified_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -297,19 +370,31 @@ def unified_attention(
     sliding_window: int | None,
     max_seqlen_q: int,
     num_kv_splits: int,
+    capability: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """:func:`pagedllm.kernels.reference.paged_attention`, its keys split ``num_kv_splits`` ways."""
+    """:func:`pagedllm.kernels.reference.paged_attention`, its keys split ``num_kv_splits`` ways.
+
+    ``capability`` picks the tiles for that compute capability instead of the device's.
+    """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens_k.shape[0]
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    if k_cache.dtype == torch.float32 and head_dim > FP32_MAX_HEAD_DIM and not is_interpreting():
+        raise ValueError(
+            f"the Triton attention kernel takes float32 KV caches up to head size "
+            f"{FP32_MAX_HEAD_DIM} (larger fp32 tiles spill registers); got {head_dim}: "
+            "use a float16 or bfloat16 cache"
+        )
     if q.stride(-1) != 1:
         q = q.contiguous()
 
     group = num_heads // num_kv_heads
-    tiles = choose_tiles(head_dim, k_cache.element_size(), group, max_seqlen_q)
+    if capability is None:
+        capability = compute_capability(q.device) or DEFAULT_CAPABILITY
+    tiles = choose_tiles(head_dim, k_cache.element_size(), group, max_seqlen_q, capability)
     head_dim_padded = triton.next_power_of_2(head_dim)
     split_kv = num_kv_splits > 1
     if split_kv:
@@ -341,6 +426,8 @@ def unified_attention(
         num_seqs,
         num_heads,
         num_kv_splits,
+        group,
+        tiles.queries,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -352,9 +439,7 @@ def unified_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group,
         QUERY_ROWS=tiles.query_rows,
-        QUERIES=tiles.queries,
         TILE_KEYS=tiles.keys,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
@@ -364,7 +449,7 @@ def unified_attention(
         UPCAST_TO_FP32=upcast,
         DOT_PRECISION="ieee" if fp32_dot else None,
         num_warps=tiles.num_warps,
-        num_stages=3,
+        num_stages=tiles.num_stages,
     )
     if split_kv:
         _merge_kv_splits_kernel[(num_tokens, num_heads)](
@@ -378,7 +463,8 @@ def unified_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PADDED=head_dim_padded,
-            SPLITS_PADDED=triton.next_power_of_2(num_kv_splits),
+            # One padded count for every split count: one compiled merge kernel per head size.
+            SPLITS_PADDED=triton.next_power_of_2(max(num_kv_splits, MAX_KV_SPLITS)),
             num_warps=4,
         )
     return out
