@@ -24,6 +24,7 @@ from pagedllm.ipc.messages import (
     AddRequest,
     ApiServerIdle,
     Drain,
+    DrainDeadline,
     NodeFailed,
     NodeReady,
     ProcessReady,
@@ -53,6 +54,9 @@ class EngineClient:
         self.state = NodeState.STARTING
         self.failure: str | None = None
         self.in_flight = 0
+        # Set once --shutdown-timeout has passed: a request that comes to the engine after it
+        # ends at once, like those in flight did.
+        self._deadline: DrainDeadline | None = None
         self._subscriptions: dict[str, Deliver] = {}
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
@@ -88,6 +92,9 @@ class EngineClient:
         """Send a request whose messages go to ``deliver``; returns its arrival time. With
         ``final_only`` its steps between the first token and the end come merged."""
         arrival = time.monotonic()
+        if self._deadline is not None:
+            _call(deliver, request_id, self._deadline)
+            return arrival
         self._subscriptions[request_id] = deliver
         sockets.send(
             self._requests,
@@ -137,6 +144,8 @@ class EngineClient:
                     self.state = NodeState.DRAINING
                     log.info("draining: %d requests in flight", self.in_flight)
                     self._report_idle()
+            elif isinstance(message, DrainDeadline):
+                self._cut_off(message)
             elif isinstance(message, NodeFailed):
                 self._fail(message)
             elif message is not None:
@@ -155,9 +164,25 @@ class EngineClient:
         self.state = NodeState.FAILED
         self.failure = message.reason
         log.error("the node failed: %s", message.reason)
+        self._end_every_request(message)
+
+    def _cut_off(self, message: DrainDeadline) -> None:
+        self._deadline = message
+        log.warning(
+            "--shutdown-timeout %gs passed: ending %d requests in flight",
+            message.timeout_s,
+            self.in_flight,
+        )
+        for request_id in self._end_every_request(message):
+            # The scheduler stops working on it in the moment before the node stops.
+            sockets.send(self._requests, AbortRequest(request_id))
+
+    def _end_every_request(self, message: DrainDeadline | NodeFailed) -> list[str]:
+        """``message`` is the last each request in flight receives; their ids."""
         subscriptions, self._subscriptions = self._subscriptions, {}
         for request_id, deliver in subscriptions.items():
             _call(deliver, request_id, message)
+        return list(subscriptions)
 
 
 def _exit_if_failed(task: asyncio.Task[None]) -> None:

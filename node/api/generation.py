@@ -18,7 +18,7 @@ from typing import Any
 
 from pagedllm.api.engine_client import EngineClient
 from pagedllm.core.request_delta import RequestDelta
-from pagedllm.ipc.messages import NodeFailed, RequestRejected
+from pagedllm.ipc.messages import DrainDeadline, NodeFailed, RequestRejected
 from pagedllm.output.processor import RequestOutputState, TextDelta
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -161,6 +161,13 @@ class Generation:
                 503,
                 f"the serving node failed ({message.reason}); retry the request",
                 "node_failed",
+            )
+        if isinstance(message, DrainDeadline):
+            raise GenerationError(
+                503,
+                f"the server shut down: its --shutdown-timeout of {message.timeout_s:g} s "
+                "passed before this request finished; retry the request",
+                "server_shutdown",
             )
         delta: RequestDelta = message
         if delta.error is not None:

@@ -12,7 +12,7 @@ Who sends what:
   StepRefused
 - every process -> supervisor: ProcessReady; API server -> supervisor: ApiServerIdle;
   scheduler -> supervisor: NodeFailed (the node cannot make progress)
-- supervisor -> API servers: NodeReady, Drain, NodeFailed
+- supervisor -> API servers: NodeReady, Drain, DrainDeadline, NodeFailed
 """
 
 from __future__ import annotations
@@ -111,6 +111,13 @@ class Drain:
 
 
 @dataclass
+class DrainDeadline:
+    """The drain's --shutdown-timeout has passed: whatever is still in flight ends now."""
+
+    timeout_s: float
+
+
+@dataclass
 class NodeFailed:
     reason: str
 
@@ -127,6 +134,7 @@ Message = (
     | ApiServerIdle
     | NodeReady
     | Drain
+    | DrainDeadline
     | NodeFailed
     | StepPlan
     | StepResult
@@ -160,6 +168,7 @@ SCHEMAS: dict[str, Schema] = {
         _typed("api_server_idle", ApiServerIdle, 1),
         _typed("node_ready", NodeReady, 1),
         _typed("drain", Drain, 1),
+        _typed("drain_deadline", DrainDeadline, 1),
         _typed("node_failed", NodeFailed, 1),
         # The per-step pair travels column-wise (see step_wire).
         Schema("step_plan", StepPlan, 1, encode_plan, decode_plan),

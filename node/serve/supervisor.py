@@ -14,8 +14,10 @@ clear error, the rest is stopped, and the supervisor exits non-zero within secon
 Kubernetes restarts the pod.
 
 SIGTERM (or Ctrl-C): the API servers stop admitting (/health turns 503, so the pod leaves the
-Service) and finish what is in flight, for at most --shutdown-timeout; then everything stops
-and the supervisor exits 0. A second signal stops at once.
+Service) and finish what is in flight, for at most --shutdown-timeout. At that deadline every
+request still in flight ends with an error saying so (streams with an error event and [DONE],
+whole responses with a 503), and within a second the processes are stopped and the supervisor
+exits 0: a shutdown that was asked for, as vLLM's is on SIGTERM. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -29,14 +31,21 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 import zmq
 
 from pagedllm.api.server import ApiServerSpec, encode_spec
 from pagedllm.ipc import sockets
-from pagedllm.ipc.messages import ApiServerIdle, Drain, NodeFailed, NodeReady, ProcessReady
+from pagedllm.ipc.messages import (
+    ApiServerIdle,
+    Drain,
+    DrainDeadline,
+    NodeFailed,
+    NodeReady,
+    ProcessReady,
+)
 from pagedllm.models import ModelLoadError
 from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.serve.args import ServeArgs
@@ -51,6 +60,10 @@ log = logging.getLogger(__name__)
 FAILURE_FLUSH_S = 0.5
 # Time a process gets to exit after SIGTERM before it is killed.
 TERMINATE_GRACE_S = 2.0
+# Past --shutdown-timeout: time the API servers get to send their clients the error, then
+# time each process gets to exit; together within the second the deadline promises.
+DEADLINE_FLUSH_S = 0.5
+DEADLINE_TERMINATE_GRACE_S = 0.3
 POLL_MS = 100
 
 
@@ -142,6 +155,8 @@ class Supervisor:
         use_multiprocess_dir(self.paths.metrics_dir)
         self.children: list[Child] = []
         self.signals = 0
+        self.signalled_at = 0.0
+        self.terminate_grace_s = TERMINATE_GRACE_S
 
     # ----- lifecycle -----------------------------------------------------------------------
 
@@ -181,6 +196,7 @@ class Supervisor:
     def _on_signal(self, signum: int, _: Any) -> None:
         self.signals += 1
         if self.signals == 1:
+            self.signalled_at = time.monotonic()
             log.info(
                 "%s: draining (up to %ss)", signal.Signals(signum).name, self.args.shutdown_timeout
             )
@@ -259,17 +275,25 @@ class Supervisor:
     def _drain(self) -> None:
         self._broadcast(Drain())
         busy = set(range(self.args.api_server_count))
-        deadline = time.monotonic() + self.args.shutdown_timeout
-        while busy and self.signals < 2:
-            if time.monotonic() >= deadline:
-                log.warning(
-                    "shutdown timeout: %d API servers still had requests in flight", len(busy)
-                )
-                return
+        self._wait_until_idle(busy, self.signalled_at + self.args.shutdown_timeout)
+        if not busy or self.signals >= 2:
+            log.info("drained" if not busy else "stopping with requests in flight")
+            return
+        log.warning(
+            "shutdown timeout: %d API servers still had requests in flight; ending them",
+            len(busy),
+        )
+        self._broadcast(DrainDeadline(self.args.shutdown_timeout))
+        self._wait_until_idle(busy, time.monotonic() + DEADLINE_FLUSH_S)
+        self.terminate_grace_s = DEADLINE_TERMINATE_GRACE_S
+
+    def _wait_until_idle(self, busy: set[int], until: float) -> None:
+        """Until every API server in ``busy`` reported idle (each is removed as it does),
+        ``until`` passed or a second signal came."""
+        while busy and self.signals < 2 and time.monotonic() < until:
             for message in self._poll():
                 if isinstance(message, ApiServerIdle):
                     busy.discard(message.index)
-        log.info("drained")
 
     # ----- watching ------------------------------------------------------------------------
 
@@ -310,7 +334,7 @@ class Supervisor:
             group = [c for c in self.children if c.kind in kinds and c.process.is_alive()]
             for child in group:
                 child.process.terminate()
-            deadline = time.monotonic() + TERMINATE_GRACE_S
+            deadline = time.monotonic() + self.terminate_grace_s
             for child in group:
                 child.process.join(max(0.0, deadline - time.monotonic()))
                 if child.process.is_alive():
@@ -331,7 +355,18 @@ def _death(child: Child) -> str:
     return f"{child.name} (pid {child.process.pid}) {how}"
 
 
-def serve(args: ServeArgs) -> int:
+def serve(args: ServeArgs) -> NoReturn:
+    """Run the node until it stops, then exit the process with its status."""
+    code = _serve(args)
+    logging.shutdown()
+    sys.stdout.flush()
+    # Without the interpreter's teardown, which takes seconds of CPU over torch's modules and
+    # has nothing left to close (the children are stopped, the IPC directory is gone): the node
+    # exits as soon as it is done.
+    os._exit(code)
+
+
+def _serve(args: ServeArgs) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format=LOG_FORMAT.format(name="supervisor"), stream=sys.stderr
     )
