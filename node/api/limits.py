@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# OpenAI's own limit for n; the request bodies accept no more (protocol.MAX_SAMPLES).
-MAX_N_LIMIT = 128
+from pagedllm.api.protocol import MAX_SAMPLES
+
+# OpenAI's own limit for n: the request bodies accept no more, whatever --max-n says.
+MAX_N_LIMIT = MAX_SAMPLES
 
 
 @dataclass(frozen=True)

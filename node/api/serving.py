@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 import functools
 import json
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,10 +37,11 @@ from pagedllm.serve.metrics import RequestRecorder
 # JSON has no -inf; OpenAI clients expect a number (vLLM's choice).
 MIN_LOGPROB = -9999.0
 # Threads that tokenize and render chat templates, off the event loop (the tokenizers library
-# releases the GIL while it encodes): enough to overlap a few large prompts, few enough that
-# they cannot starve the loop of CPU. Texts up to SMALL_TEXT_CHARS have threads of their own,
+# releases the GIL while it encodes). Large texts get half the CPUs, so that tokenizing them
+# leaves the workers room to compute; texts up to SMALL_TEXT_CHARS have threads of their own,
 # so that a small request never waits behind large prompts.
-TOKENIZER_THREADS = 4
+LARGE_TEXT_THREADS = max(1, len(os.sched_getaffinity(0)) // 2)
+SMALL_TEXT_THREADS = 4
 SMALL_TEXT_CHARS = 65536
 
 T = TypeVar("T")
@@ -93,10 +95,10 @@ class ServingContext:
     # The longest token's byte length (token_bytes.max_token_bytes); None: no sound bound.
     max_token_bytes: int | None = None
     _large: anyio.CapacityLimiter = field(
-        default_factory=lambda: anyio.CapacityLimiter(TOKENIZER_THREADS), init=False
+        default_factory=lambda: anyio.CapacityLimiter(LARGE_TEXT_THREADS), init=False
     )
     _small: anyio.CapacityLimiter = field(
-        default_factory=lambda: anyio.CapacityLimiter(TOKENIZER_THREADS), init=False
+        default_factory=lambda: anyio.CapacityLimiter(SMALL_TEXT_THREADS), init=False
     )
 
     @property
