@@ -8,6 +8,7 @@ oversized body, 503 (with Retry-After) while the node is starting, draining, fai
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import time
 from typing import Any
@@ -39,6 +40,8 @@ from pagedllm.serve import metrics
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
+# Token ids written to JSON per slice (see _tokenize_json).
+JSON_SLICE = 16384
 # Probes and scrapers must reach these without the API key.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 ERROR_KINDS = {
@@ -204,27 +207,40 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _generate(prepare_completion(ctx, body), body.stream, request)
+        return await _generate(await prepare_completion(ctx, body), body.stream, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _generate(prepare_chat(ctx, body), body.stream, request)
+        return await _generate(await prepare_chat(ctx, body), body.stream, request)
 
+    # Any length is tokenized here (no bound), off the event loop, and so is the answer's JSON:
+    # a long prompt's token list takes a while to serialize.
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
         ctx.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            text = ctx.render_chat(body.messages, body.add_generation_prompt)
-            tokens = ctx.tokenizer.encode(text, add_special_tokens=False)
+            text = await ctx.render_chat(body.messages, body.add_generation_prompt)
+            tokens = await ctx.encode(text, add_special_tokens=False)
         else:
-            tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens}
+            tokens = await ctx.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        head = {"count": len(tokens), "max_model_len": ctx.max_model_len}
+        body = await ctx.in_thread(len(tokens), _tokenize_json, head, tokens)
+        return Response(body, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         ctx.check_model(body.model)
         ctx.check_token_ids(body.tokens, "tokens")
-        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+        return {"prompt": await ctx.in_thread(len(body.tokens), ctx.tokenizer.decode, body.tokens)}
+
+
+def _tokenize_json(head: dict[str, int], tokens: list[int]) -> bytes:
+    """``head`` with ``"tokens": tokens``, written a slice at a time: each slice holds the GIL
+    only briefly, so the event loop keeps answering while a long list is written."""
+    slices = [
+        ",".join(map(str, tokens[i : i + JSON_SLICE])) for i in range(0, len(tokens), JSON_SLICE)
+    ]
+    return (json.dumps(head)[:-1] + ', "tokens": [' + ",".join(slices) + "]}").encode()
 
 
 async def _generate(run: GenerationRun, stream: bool, request: Request) -> Response:

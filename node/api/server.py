@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import msgpack
@@ -26,7 +26,9 @@ import uvicorn
 
 from pagedllm.api.app import build_app
 from pagedllm.api.engine_client import EngineClient
+from pagedllm.api.limits import RequestLimits
 from pagedllm.api.serving import ServingContext
+from pagedllm.api.token_bytes import max_token_bytes
 from pagedllm.ipc import sockets
 from pagedllm.ipc.codec import WireError, decoder, encoder
 from pagedllm.models import ModelLoadError
@@ -53,6 +55,7 @@ class ApiServerSpec:
     log_level: str
     supervisor_pid: int
     nice: int = 0
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def encode_spec(spec: ApiServerSpec) -> bytes:
@@ -153,6 +156,8 @@ async def _serve(spec: ApiServerSpec, sock: socket.socket, tokenizer: Any) -> No
         max_model_len=spec.max_model_len,
         vocab_size=spec.vocab_size,
         metrics=RequestRecorder(spec.model_names[0]),
+        limits=spec.limits,
+        max_token_bytes=max_token_bytes(tokenizer),
     )
     config = uvicorn.Config(
         build_app(ctx, spec.api_key),

@@ -4,14 +4,25 @@ request's run from the first step to the last SSE chunk."""
 from __future__ import annotations
 
 import abc
+import functools
 import json
+import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import anyio
+import anyio.to_thread
 
 from pagedllm.api.engine_client import EngineClient, NodeState
 from pagedllm.api.generation import Generation, GenerationError, Step, TokenizedPrompt
+from pagedllm.api.limits import (
+    RequestLimits,
+    prompts_refusal,
+    samples_refusal,
+    tokens_refusal,
+)
 from pagedllm.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -25,6 +36,15 @@ from pagedllm.serve.metrics import RequestRecorder
 
 # JSON has no -inf; OpenAI clients expect a number (vLLM's choice).
 MIN_LOGPROB = -9999.0
+# Threads that tokenize and render chat templates, off the event loop (the tokenizers library
+# releases the GIL while it encodes). Large texts get half the CPUs, so that tokenizing them
+# leaves the workers room to compute; texts up to SMALL_TEXT_CHARS have threads of their own,
+# so that a small request never waits behind large prompts.
+LARGE_TEXT_THREADS = max(1, len(os.sched_getaffinity(0)) // 2)
+SMALL_TEXT_THREADS = 4
+SMALL_TEXT_CHARS = 65536
+
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -71,6 +91,15 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     metrics: RequestRecorder
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # The longest token's byte length (token_bytes.max_token_bytes); None: no sound bound.
+    max_token_bytes: int | None = None
+    _large: anyio.CapacityLimiter = field(
+        default_factory=lambda: anyio.CapacityLimiter(LARGE_TEXT_THREADS), init=False
+    )
+    _small: anyio.CapacityLimiter = field(
+        default_factory=lambda: anyio.CapacityLimiter(SMALL_TEXT_THREADS), init=False
+    )
 
     @property
     def model_name(self) -> str:
@@ -114,20 +143,83 @@ class ServingContext:
                 param=param,
             )
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    async def in_thread(self, size: int, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` on one of the tokenizer threads, so the loop keeps answering;
+        ``size``: how many characters it works on."""
+        limiter = self._small if size <= SMALL_TEXT_CHARS else self._large
+        return await anyio.to_thread.run_sync(function, *args, limiter=limiter)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        encode = functools.partial(
+            encode_text, self.tokenizer, add_special_tokens=add_special_tokens
+        )
+        return await self.in_thread(len(text), encode, text)
+
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(
                 400, "this model has no chat template; use /v1/completions", param="messages"
             )
         conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
+        render = functools.partial(
+            self.tokenizer.apply_chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
         try:
-            return self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+            size = sum(len(m["content"]) for m in conversation)
+            text: str = await self.in_thread(size, render, conversation)
         except Exception as error:  # the template's own raise_exception and jinja errors
             raise ApiError(
                 400, f"the chat template rejected the messages: {error}", param="messages"
             ) from None
+        return text
+
+    def check_prompt_bytes(self, text: str) -> None:
+        """Refuse, before tokenizing, a prompt too long in bytes to fit: each token covers at
+        most ``max_token_bytes`` bytes, so it has at least bytes / that many tokens. (Whether
+        the completion fits too is checked once the exact count is known.)"""
+        if self.max_token_bytes is None:
+            return
+        size = len(text.encode("utf-8"))
+        least = -(-size // self.max_token_bytes)
+        if least >= self.max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has at least {least} tokens (its {size} bytes of text), which leaves "
+                "no room for a completion",
+                code="context_length_exceeded",
+                param="prompt",
+            )
+
+    def check_prompt_count(self, prompts: int) -> None:
+        refusal = prompts_refusal(self.limits, prompts)
+        if refusal is not None:
+            raise ApiError(400, refusal, code="too_many_prompts", param="prompt")
+
+    def check_samples(self, n: int, best_of: int | None) -> None:
+        refusal = samples_refusal(self.limits, n, best_of)
+        if refusal is not None:
+            message, param = refusal
+            raise ApiError(400, message, code="too_many_samples", param=param)
+
+    def check_request_tokens(self, prompts: list[TokenizedPrompt], params: SamplingParams) -> None:
+        budget = [params.max_tokens or self.max_model_len - len(p.token_ids) for p in prompts]
+        refusal = tokens_refusal(self.limits, params.best_of or params.n, budget)
+        if refusal is not None:
+            raise ApiError(400, refusal, code="request_too_large", param="max_tokens")
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """``tokenizer.encode``, through the Rust tokenizer where there is one: its batch call
+    releases the GIL while it encodes, and the fast variant skips the offsets that transformers
+    would compute and convert (which hold the GIL for a long while on a large prompt)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return ids
+    return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def _message_text(message: ChatMessage) -> str:

@@ -114,16 +114,19 @@ class ChatRun(GenerationRun):
         }
 
 
-def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> ChatRun:
+async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> ChatRun:
     ctx.check_model(body.model)
-    text = ctx.render_chat(body.messages, body.add_generation_prompt)
-    prompt = TokenizedPrompt(text, ctx.tokenizer.encode(text, add_special_tokens=False))
+    ctx.check_samples(body.n, body.best_of)
     max_tokens = body.max_completion_tokens or body.max_tokens
+    text = await ctx.render_chat(body.messages, body.add_generation_prompt)
+    ctx.check_prompt_bytes(text)
+    prompt = TokenizedPrompt(text, await ctx.encode(text, add_special_tokens=False))
     check_lengths(ctx, [prompt], max_tokens)
     top = body.top_logprobs
     if top is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     params = sampling_params(body, max_tokens, (top or 0) if body.logprobs else None, None)
+    ctx.check_request_tokens([prompt], params)
     ctx.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
     ctx.check_admitting()
     response_id = random_id("chatcmpl")

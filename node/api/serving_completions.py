@@ -22,7 +22,8 @@ from pagedllm.output.processor import TextDelta
 from pagedllm.outputs import CompletionOutput
 
 
-def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[TokenizedPrompt]:
+async def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[TokenizedPrompt]:
+    """The prompts, tokenized off the event loop once their number and sizes are known to fit."""
     raw = body.prompt
     items: list[str | list[int]]
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
@@ -31,10 +32,14 @@ def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[Tok
         items = list(raw)  # type: ignore[arg-type]
     if not items:
         raise ApiError(400, "prompt must not be empty", param="prompt")
+    ctx.check_prompt_count(len(items))
+    for item in items:
+        if isinstance(item, str):
+            ctx.check_prompt_bytes(item)
     prompts = []
     for item in items:
         if isinstance(item, str):
-            prompts.append(TokenizedPrompt(item, ctx.tokenizer.encode(item)))
+            prompts.append(TokenizedPrompt(item, await ctx.encode(item)))
         else:
             if not item:
                 raise ApiError(400, "a token-id prompt must not be empty", param="prompt")
@@ -166,14 +171,16 @@ class CompletionRun(GenerationRun):
         }
 
 
-def prepare_completion(ctx: ServingContext, body: CompletionRequest) -> CompletionRun:
+async def prepare_completion(ctx: ServingContext, body: CompletionRequest) -> CompletionRun:
     ctx.check_model(body.model)
-    prompts = completion_prompts(ctx, body)
+    ctx.check_samples(body.n, body.best_of)
+    prompts = await completion_prompts(ctx, body)
     check_lengths(ctx, prompts, body.max_tokens)
     logprobs = body.logprobs
     params = sampling_params(
         body, body.max_tokens, logprobs, logprobs if body.echo and logprobs is not None else None
     )
+    ctx.check_request_tokens(prompts, params)
     ctx.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
     ctx.check_admitting()
     response_id = random_id("cmpl")

@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from pagedllm.api.limits import MAX_N_LIMIT, RequestLimits
 from pagedllm.config import DTYPE_CHOICES, EngineConfig, resolve_model_dir
 from pagedllm.kernels import BACKENDS
 
@@ -34,6 +35,7 @@ class ServeArgs:
     port: int
     api_key: str | None
     max_waiting: int | None
+    request_limits: RequestLimits
     shutdown_timeout: float
     step_timeout: float
     api_server_count: int
@@ -53,6 +55,13 @@ def positive_int(text: str) -> int:
     value = _integer(text, "a positive integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def sample_count(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_N_LIMIT:
+        raise argparse.ArgumentTypeError(f"n is at most {MAX_N_LIMIT} in the API, got {value}")
     return value
 
 
@@ -186,6 +195,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="answer 503 (Retry-After) while this many requests wait (default: no limit)",
     )
+    defaults = RequestLimits()
+    p.add_argument(
+        "--max-prompts-per-request",
+        type=positive_int,
+        default=defaults.max_prompts_per_request,
+        help="most prompts in one completions request (400 beyond; default "
+        f"{defaults.max_prompts_per_request})",
+    )
+    p.add_argument(
+        "--max-n",
+        type=sample_count,
+        default=defaults.max_n,
+        help=f"largest n or best_of of a request (400 beyond; default {defaults.max_n}, "
+        f"at most {MAX_N_LIMIT})",
+    )
+    p.add_argument(
+        "--max-request-tokens",
+        type=positive_int,
+        default=defaults.max_request_tokens,
+        help="most tokens one request may generate: sequences (best_of or n, times prompts) "
+        f"times max_tokens (400 beyond; default {defaults.max_request_tokens})",
+    )
     p.add_argument(
         "--shutdown-timeout",
         type=non_negative_float,
@@ -283,6 +314,7 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
         # Stripped: a key mounted from a Secret file often ends in a newline.
         api_key=(ns.api_key or os.environ.get(API_KEY_ENV) or "").strip() or None,
         max_waiting=ns.max_waiting,
+        request_limits=RequestLimits(ns.max_prompts_per_request, ns.max_n, ns.max_request_tokens),
         shutdown_timeout=ns.shutdown_timeout,
         step_timeout=ns.step_timeout,
         api_server_count=ns.api_server_count,

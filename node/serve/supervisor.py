@@ -254,6 +254,7 @@ class Supervisor:
                 args.log_level,
                 pid,
                 args.api_server_nice,
+                args.request_limits,
             )
             self.children.append(Child("api_server", index, ApiServerProcess(spec)))
 

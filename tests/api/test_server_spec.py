@@ -8,6 +8,7 @@ import sys
 import msgpack
 import pytest
 
+from pagedllm.api.limits import RequestLimits
 from pagedllm.api.server import ApiServerSpec, decode_spec, encode_spec
 from pagedllm.ipc.codec import WireError
 from pagedllm.ipc.sockets import IpcPaths
@@ -25,6 +26,7 @@ SPEC = ApiServerSpec(
     log_level="info",
     supervisor_pid=4242,
     nice=5,
+    limits=RequestLimits(max_prompts_per_request=8, max_n=4, max_request_tokens=1000),
 )
 
 
@@ -36,8 +38,11 @@ def test_a_spec_arrives_as_it_was_sent() -> None:
     ("data", "message"),
     [
         (b"\xc1", "not msgpack"),
-        (msgpack.packb(["too", "short"]), "ApiServerSpec as a list of 12 fields"),
-        (msgpack.packb([1, ["/d"], "m", ["n"], 1, 1, None, "h", "80", "info", 1, 0]), "port"),
+        (msgpack.packb(["too", "short"]), "ApiServerSpec as a list of 13 fields"),
+        (
+            msgpack.packb([1, ["/d"], "m", ["n"], 1, 1, None, "h", "80", "info", 1, 0, [1, 1, 1]]),
+            "port",
+        ),
     ],
 )
 def test_a_malformed_spec_is_refused_by_name(data: bytes, message: str) -> None:
