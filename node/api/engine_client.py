@@ -88,9 +88,11 @@ class EngineClient:
         params: SamplingParams,
         deliver: Deliver,
         final_only: bool = False,
+        first_of_request: bool = True,
     ) -> float:
         """Send a request whose messages go to ``deliver``; returns its arrival time. With
-        ``final_only`` its steps between the first token and the end come merged."""
+        ``final_only`` its steps between the first token and the end come merged; a request
+        not ``first_of_request`` is another prompt of the HTTP request sent just before."""
         arrival = time.monotonic()
         if self._deadline is not None:
             _call(deliver, request_id, self._deadline)
@@ -98,7 +100,15 @@ class EngineClient:
         self._subscriptions[request_id] = deliver
         sockets.send(
             self._requests,
-            AddRequest(request_id, self.index, prompt_token_ids, params, arrival, final_only),
+            AddRequest(
+                request_id,
+                self.index,
+                prompt_token_ids,
+                params,
+                arrival,
+                final_only,
+                first_of_request,
+            ),
         )
         return arrival
 

@@ -93,6 +93,7 @@ class Generation:
                 lambda message, tag=i: self._receive(tag, message),
                 # Stop strings are found in the text, so it must follow every step.
                 final_only=not self.streaming and not self.params.stop_strings,
+                first_of_request=i == 0,
             )
 
     @property

@@ -40,6 +40,9 @@ class AddRequest:
     arrival_time: float  # time.monotonic(), which all processes of a machine share
     # Only the first token and the end are wanted; the steps between arrive merged with the end.
     final_only: bool = False
+    # False for the second and later prompts of one HTTP request: they join the first, which
+    # alone is held to --max-waiting, so that a request is never half refused as busy.
+    first_of_request: bool = True
 
 
 @dataclass
@@ -157,7 +160,7 @@ def _typed(tag: str, cls: type, version: int) -> Schema:
 SCHEMAS: dict[str, Schema] = {
     s.tag: s
     for s in (
-        _typed("add_request", AddRequest, 3),
+        _typed("add_request", AddRequest, 4),
         _typed("abort_request", AbortRequest, 1),
         _typed("stop_sequence", StopSequence, 1),
         _typed("request_outputs", RequestOutputs, 3),

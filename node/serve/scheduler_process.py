@@ -252,7 +252,7 @@ class SchedulerLoop:
             )
             return
         limit = self.spec.max_waiting
-        if limit is not None and len(self.scheduler.waiting) >= limit:
+        if limit is not None and message.first_of_request and len(self.scheduler.waiting) >= limit:
             sockets.send(
                 client,
                 RequestRejected(

@@ -227,9 +227,18 @@ def test_a_full_queue_answers_503_with_retry_after(server: Server) -> None:
         pytest.fail("the running request always finished before the queue filled")
 
 
+def test_the_prompts_of_one_request_are_admitted_together(server: Server) -> None:
+    """--max-waiting 1, --max-num-seqs 1: an idle node takes a request of three prompts whole
+    (its prompts join the first) rather than refusing part of it as busy."""
+    for _ in range(3):
+        response = post(server, "/v1/completions", {**COMPLETION, "prompt": ["a", "b", "c"]})
+        assert response.status_code == 200, response.text
+        assert sorted(c["index"] for c in response.json()["choices"]) == [0, 1, 2]
+
+
 def _clamp_cost(body: Any) -> Any:
-    """Valid but expensive sample counts are cut down, and batches of prompts to two (more
-    would only meet --max-waiting 1); invalid values stay as generated."""
+    """Valid but expensive sample counts are cut down, and batches of prompts to two; invalid
+    values stay as generated."""
     if isinstance(body, dict):
         for name in ("n", "best_of"):
             value = body.get(name)
