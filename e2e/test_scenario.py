@@ -251,16 +251,21 @@ def scaled_up_and_serving(cluster: LocalCluster) -> int | None:
 
 
 def latest_event(cluster: LocalCluster, reason: str) -> str:
-    messages = cluster.kubectl(
-        "get",
-        "events",
-        f"--field-selector=reason={reason}",
-        "--sort-by=.lastTimestamp",
-        "-o",
-        "custom-columns=MESSAGE:.message",
-        "--no-headers",
-    )
-    return f"{reason}: {messages.strip().splitlines()[-1]}"
+    """The newest Event of ``reason``; the operator posts it just after it writes the scale
+    that the step saw, so it may take a moment to appear."""
+
+    def messages() -> list[str]:
+        return cluster.kubectl(
+            "get",
+            "events",
+            f"--field-selector=reason={reason}",
+            "--sort-by=.lastTimestamp",
+            "-o",
+            "custom-columns=MESSAGE:.message",
+            "--no-headers",
+        ).splitlines()
+
+    return f"{reason}: {eventually(messages, timeout=30, what=f'a {reason} event')[-1]}"
 
 
 def every_pod_answers(cluster: LocalCluster, base_url: str) -> None:
