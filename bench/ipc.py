@@ -11,9 +11,11 @@ once by default (their steps reach the API server merged with the end); ``--stre
 them SSE streams, which the API server detokenizes and forwards every step. The best wall of
 REPEATS at each length, the two ways interleaved. The last column is the scheduler's view of
 the worker's time on a step (from the plan's arrival, or the end of the step before, to the
-samples back). Target: the node adds at most 10 % at batch 32.
+samples back). Target: the node adds at most 10 % at batch 32. ``--kv-events`` keeps a
+subscriber on the node's ``GET /v1/kv_events`` throughout, as a router would.
 
     python bench/ipc.py [--tokens 64] [--short 8] [--repeats 7] [--batches 1 32] [--stream]
+        [--kv-events]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -133,6 +136,19 @@ class Node:
             list(pool.map(one, prompts(batch)))
             return time.perf_counter() - started
 
+    def subscribe_kv_events(self) -> list[int]:
+        """Read the node's KV-events feed in a thread; the returned list counts its lines."""
+        lines = [0]
+
+        def read() -> None:
+            with httpx.stream("GET", f"{self.url}/v1/kv_events", timeout=30) as response:
+                response.raise_for_status()
+                for _ in response.iter_lines():
+                    lines[0] += 1
+
+        threading.Thread(target=read, daemon=True).start()
+        return lines
+
     def scheduler_step_s(self) -> tuple[float, float]:
         """(sum, count) of the scheduler's plan-to-samples times so far."""
         values = {"sum": 0.0, "count": 0.0}
@@ -161,12 +177,18 @@ def main() -> int:
         action="store_true",
         help="the node's requests are SSE streams (forwarded every step)",
     )
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="a subscriber reads the node's KV-events feed throughout",
+    )
     args = parser.parse_args()
     if not 1 <= args.short < args.tokens:
         parser.error("--short must be at least 1 and below --tokens")
 
     engine = LLMEngine(EngineConfig(kv_cache_memory=KV_CACHE_MEMORY))
     node = Node(Path(tempfile.mkdtemp(prefix="pagedllm-bench-ipc-")))
+    feed_lines = node.subscribe_kv_events() if args.kv_events else None
     threads = torch.get_num_threads()
     print(
         f"demo model, {args.tokens} - {args.short} tokens per request "
@@ -203,6 +225,8 @@ def main() -> int:
             )
     finally:
         node.close()
+    if feed_lines is not None:
+        print(f"KV-events feed: {feed_lines[0]} lines read")
     if 32 in results:
         met = results[32] <= TARGET_OVERHEAD
         print(
