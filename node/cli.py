@@ -3,7 +3,7 @@
     pagedllm serve [--model DIR] [--port 8000] ...   serve the OpenAI API (see serve_args)
     pagedllm generate [--prompt TEXT] ...            one offline generation, printed
     pagedllm demo-model DIR                          write the built-in demo checkpoint
-    pagedllm download hf://ORG/NAME DIR              fetch a Hugging Face model
+    pagedllm download [--tokenizer-only] hf://ORG/NAME DIR   fetch a Hugging Face model
     pagedllm operator [KOPF RUN OPTIONS]             run the Kubernetes operator
 
 Heavy imports (torch, transformers, kopf) happen inside the subcommand that needs them, so
@@ -18,6 +18,22 @@ import sys
 from collections.abc import Sequence
 
 from pagedllm.serve.args import add_serve_arguments, byte_size, positive_int, serve_args
+
+# What tokenizing and chat templating read (routers need no weights): the tokenizer in any of
+# its formats, its special tokens and chat template, and the small configs that name the
+# tokenizer class and the end-of-sequence tokens.
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "chat_template*",
+    "config.json",
+    "generation_config.json",
+)
 
 HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[\w./-]+))?$")
 
@@ -45,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     download = commands.add_parser(
         "download", help="download hf://ORG/NAME[@REVISION] into DIR (token from $HF_TOKEN)"
+    )
+    download.add_argument(
+        "--tokenizer-only",
+        action="store_true",
+        help="only the tokenizer, chat template and configs, no weights (for routers)",
     )
     download.add_argument("source", metavar="hf://ORG/NAME[@REVISION]")
     download.add_argument("directory", metavar="DIR")
@@ -104,7 +125,10 @@ def _download(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from huggingface_hub import snapshot_download
 
     path = snapshot_download(
-        repo_id=match["repo"], revision=match["revision"], local_dir=args.directory
+        repo_id=match["repo"],
+        revision=match["revision"],
+        local_dir=args.directory,
+        allow_patterns=list(TOKENIZER_FILES) if args.tokenizer_only else None,
     )
     print(path)
     return 0
