@@ -1,6 +1,7 @@
 """The `pagedllm` command.
 
     pagedllm serve [--model DIR] [--port 8000] ...   serve the OpenAI API (see serve_args)
+    pagedllm router --model DIR --backends URL,...  route requests to nodes by cached prefix
     pagedllm generate [--prompt TEXT] ...            one offline generation, printed
     pagedllm demo-model DIR                          write the built-in demo checkpoint
     pagedllm download [--tokenizer-only] hf://ORG/NAME DIR   fetch a Hugging Face model
@@ -17,6 +18,7 @@ import re
 import sys
 from collections.abc import Sequence
 
+from pagedllm.router.args import add_router_arguments, router_args
 from pagedllm.serve.args import add_serve_arguments, byte_size, positive_int, serve_args
 
 # What tokenizing and chat templating read (routers need no weights): the tokenizer in any of
@@ -47,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_serve_arguments(serve)
+
+    router = commands.add_parser(
+        "router", help="route OpenAI requests to serving nodes by the prefix they have cached"
+    )
+    add_router_arguments(router)
 
     generate = commands.add_parser("generate", help="generate once, offline, and print it")
     generate.add_argument("--model", default=None, help="model directory (default: demo)")
@@ -90,6 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pagedllm.serve.supervisor import serve
 
         return serve(settings)
+    if args.command == "router":
+        settings = router_args(args, parser)
+        from pagedllm.router.server import main as run_router
+
+        return run_router(settings)
     if args.command == "generate":
         return _generate(args, parser)
     if args.command == "demo-model":
