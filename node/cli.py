@@ -2,6 +2,7 @@
 
     pagedllm serve [--model DIR] [--port 8000] ...   serve the OpenAI API (see serve_args)
     pagedllm router --model DIR --backends URL,...  route requests to nodes by cached prefix
+        (or --discover-namespace NS --discover-service SVC: the nodes of a Kubernetes Service)
     pagedllm generate [--prompt TEXT] ...            one offline generation, printed
     pagedllm demo-model DIR                          write the built-in demo checkpoint
     pagedllm download [--tokenizer-only] hf://ORG/NAME DIR   fetch a Hugging Face model
@@ -17,9 +18,13 @@ import argparse
 import re
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from pagedllm.router.args import add_router_arguments, router_args
+from pagedllm.router.args import RouterArgs, add_router_arguments, router_args
 from pagedllm.serve.args import add_serve_arguments, byte_size, positive_int, serve_args
+
+if TYPE_CHECKING:
+    from pagedllm.router.server import BackendSource
 
 # What tokenizing and chat templating read (routers need no weights): the tokenizer in any of
 # its formats, its special tokens and chat template, and the small configs that name the
@@ -98,10 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve(settings)
     if args.command == "router":
-        settings = router_args(args, parser)
+        router_settings = router_args(args, parser)
         from pagedllm.router.server import main as run_router
 
-        return run_router(settings)
+        return run_router(router_settings, _router_sources(router_settings))
     if args.command == "generate":
         return _generate(args, parser)
     if args.command == "demo-model":
@@ -113,6 +118,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _download(args, parser)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _router_sources(settings: RouterArgs) -> list[BackendSource]:
+    """Kubernetes discovery when asked for (the static --backends otherwise)."""
+    if settings.discover_service is None or settings.discover_namespace is None:
+        return []
+    # Imported only here: the kubernetes package is not needed for --backends.
+    from pagedllm.router.discovery import DiscoveryError, DiscoveryTarget, EndpointSliceDiscovery
+
+    target = DiscoveryTarget(settings.discover_namespace, settings.discover_service)
+    try:
+        return [EndpointSliceDiscovery(target).run]
+    except DiscoveryError as error:
+        print(f"pagedllm router: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

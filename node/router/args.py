@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -39,13 +40,16 @@ class RouterArgs:
     model_names: list[str]
     model: ModelFacts
     chat_template: str | None
-    backends: list[str]
+    backends: list[str]  # empty when discovering them
     host: str
     port: int
     routing: RoutingSettings
     api_key: str | None
     shutdown_timeout: float
     log_level: str
+    # The Kubernetes Service whose ready endpoints are the backends (instead of --backends).
+    discover_namespace: str | None = None
+    discover_service: str | None = None
 
 
 def backend_url(text: str) -> str:
@@ -70,6 +74,16 @@ def backend_list(text: str) -> list[str]:
     if not urls:
         raise argparse.ArgumentTypeError("expected at least one backend URL")
     return list(dict.fromkeys(urls))
+
+
+def kubernetes_name(text: str) -> str:
+    """A namespace or Service name (an RFC 1123 label)."""
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", text) or len(text) > 63:
+        raise argparse.ArgumentTypeError(
+            f"expected a Kubernetes name (lower case letters, digits and '-', at most 63), "
+            f"got {text!r}"
+        )
+    return text
 
 
 def load_bound(text: str) -> float:
@@ -103,6 +117,22 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="URL,URL",
         help="the serving nodes, e.g. http://127.0.0.1:8001,http://127.0.0.1:8002",
+    )
+    p.add_argument(
+        "--discover-namespace",
+        type=kubernetes_name,
+        default=None,
+        metavar="NAMESPACE",
+        help="with --discover-service, instead of --backends: the namespace of the serving "
+        "pods' Service",
+    )
+    p.add_argument(
+        "--discover-service",
+        type=kubernetes_name,
+        default=None,
+        metavar="SERVICE",
+        help="route to the ready endpoints of this Service's port `http`, followed through "
+        "its EndpointSlices (credentials: the pod's service account, else $KUBECONFIG)",
     )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument(
@@ -181,14 +211,22 @@ def router_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Rout
             chat_template = Path(ns.chat_template).read_text()
         except (OSError, UnicodeDecodeError) as error:
             parser.error(f"--chat-template: cannot read {ns.chat_template}: {error}")
-    if ns.backends is None:
-        parser.error("--backends is required (the serving nodes to route to)")
+    discovering = ns.discover_namespace is not None or ns.discover_service is not None
+    if discovering and ns.backends is not None:
+        parser.error("--backends and --discover-namespace/--discover-service exclude each other")
+    if discovering and (ns.discover_namespace is None or ns.discover_service is None):
+        parser.error("--discover-namespace and --discover-service go together")
+    if not discovering and ns.backends is None:
+        parser.error(
+            "--backends (or --discover-namespace with --discover-service) is required: "
+            "the serving nodes to route to"
+        )
     return RouterArgs(
         model_dir=str(model_dir.resolve()),
         model_names=list(ns.served_model_name or [ns.model]),
         model=model,
         chat_template=chat_template,
-        backends=ns.backends,
+        backends=ns.backends or [],
         host=ns.host,
         port=ns.port,
         routing=RoutingSettings(
@@ -200,4 +238,6 @@ def router_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Rout
         api_key=(ns.api_key or os.environ.get(API_KEY_ENV) or "").strip() or None,
         shutdown_timeout=ns.shutdown_timeout,
         log_level=ns.log_level,
+        discover_namespace=ns.discover_namespace,
+        discover_service=ns.discover_service,
     )

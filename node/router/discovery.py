@@ -193,7 +193,8 @@ class EndpointSliceDiscovery:
                 backoff = min(backoff * 2, self.max_backoff_seconds)
 
     def _list(self) -> tuple[dict[str, dict[str, Any]], str]:
-        response = self.api.list_namespaced_endpoint_slice(
+        # Raw JSON (not the client's models): the same dicts the watch events carry.
+        response: Any = self.api.list_namespaced_endpoint_slice(
             self.target.namespace,
             label_selector=self.target.label_selector,
             _preload_content=False,
