@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from pagedllm.cli import build_parser
 from pagedllm.operator.children import (
     HTTP_PORT,
     build_children,
@@ -234,3 +235,17 @@ def test_router_spec_defaults_and_errors() -> None:
             spec_with(router)
     with pytest.raises(InvalidSpec, match=r"spec\.router must be an object"):
         parse_spec({**SPECS["demo"], "router": "on"})
+
+
+@pytest.mark.parametrize("policy", [p.value for p in RouterPolicy])
+def test_the_router_accepts_the_flags_the_operator_writes(policy: str) -> None:
+    """The router pod's command line parses with `pagedllm router`'s own parser."""
+    spec = spec_with({"policy": policy, "loadBound": 1.5, "maxHeldRequests": 8}, base="pvc")
+    (container,) = router_pod(spec)["containers"]
+    assert container["command"] == ["pagedllm", "router"]
+    parsed = build_parser().parse_args(["router", *container["args"]])
+    assert parsed.policy == policy
+    assert parsed.load_bound == 1.5 and parsed.max_held_requests == 8
+    assert (parsed.discover_namespace, parsed.discover_service) == ("models", "llama-serving")
+    assert parsed.backends is None
+    assert parsed.shutdown_timeout == spec.drain_timeout_seconds
