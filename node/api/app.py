@@ -22,8 +22,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.api.engine_client import NodeState
-from pagedllm.api.errors import ApiError, error_response
-from pagedllm.api.event_stream import EventStreamResponse, unless_disconnected
+from pagedllm.api.errors import ApiError, error_response, unavailable
+from pagedllm.api.event_stream import (
+    EventStreamResponse,
+    JsonLinesResponse,
+    unless_disconnected,
+)
 from pagedllm.api.generation import GenerationError
 from pagedllm.api.protocol import (
     ChatCompletionRequest,
@@ -227,6 +231,18 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _generate(await prepare_chat(ctx, body), body.stream, request)
+
+    @app.get("/v1/kv_events")
+    async def kv_events() -> Response:
+        # What the prefix cache holds, then its changes: for routers (see api.kv_events).
+        ctx.check_admitting()
+        feed = ctx.client.kv_events
+        if not feed.ready:  # the scheduler's layout is on its way
+            raise unavailable("the server is starting; retry the request", "starting")
+        snapshot, subscriber = feed.subscribe()
+        return JsonLinesResponse(
+            feed.stream(snapshot, subscriber), lambda: feed.unsubscribe(subscriber)
+        )
 
 
 def add_tokenize_routes(app: FastAPI, ctx: TokenizingContext) -> None:

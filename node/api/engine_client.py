@@ -1,8 +1,9 @@
 """An API server's line to the scheduler and the supervisor.
 
 Requests go out on a PUSH socket; one task reads the server's inbox and routes each message
-to the queue of the HTTP request it belongs to. The inbox also carries the supervisor's
-orders, which set the node state that ``/health`` reports.
+to the queue of the HTTP request it belongs to. The inbox also carries the prefix cache's
+events, which keep the KV-events feed (``kv_events``), and the supervisor's orders, which set
+the node state that ``/health`` reports.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from pagedllm.api.kv_events import KVEventFeed
 from pagedllm.ipc import sockets
 from pagedllm.ipc.messages import (
     AbortRequest,
     AddRequest,
     ApiServerIdle,
+    CacheLayout,
     Drain,
     DrainDeadline,
+    KVEvents,
     NodeFailed,
     NodeReady,
     ProcessReady,
@@ -63,16 +67,22 @@ class EngineClient:
         self._requests = sockets.push(self._sync_ctx, paths.requests)
         self._control = sockets.push(self._sync_ctx, paths.control)
         self._inbox = sockets.pull(self._async_ctx, paths.api(index))
-        self._task: asyncio.Task[None] | None = None
+        self.kv_events = KVEventFeed()
+        self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        """Start reading the inbox (from inside the event loop)."""
-        self._task = asyncio.get_running_loop().create_task(self._receive())
-        self._task.add_done_callback(_exit_if_failed)
+        """Start reading the inbox and the feed's heartbeats (from inside the event loop)."""
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._receive()),
+            loop.create_task(self.kv_events.run_heartbeats()),
+        ]
+        for task in self._tasks:
+            task.add_done_callback(_exit_if_failed)
 
     def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
         self._async_ctx.destroy(linger=0)
         self._sync_ctx.destroy(linger=0)
 
@@ -143,23 +153,33 @@ class EngineClient:
             if isinstance(message, RequestOutputs):
                 for delta in message.deltas:
                     self._deliver(delta.request_id, delta, delta.finished)
+            elif isinstance(message, KVEvents):
+                self.kv_events.apply(message)
+            elif isinstance(message, CacheLayout):
+                self.kv_events.set_layout(message)
             elif isinstance(message, RequestRejected):
                 self._deliver(message.request_id, message, True)
-            elif isinstance(message, NodeReady):
-                if self.state == NodeState.STARTING:
-                    self.state = NodeState.READY
-                    log.info("the node is ready")
-            elif isinstance(message, Drain):
-                if self.state in (NodeState.STARTING, NodeState.READY):
-                    self.state = NodeState.DRAINING
-                    log.info("draining: %d requests in flight", self.in_flight)
-                    self._report_idle()
-            elif isinstance(message, DrainDeadline):
-                self._cut_off(message)
-            elif isinstance(message, NodeFailed):
-                self._fail(message)
+            elif isinstance(message, NodeReady | Drain | DrainDeadline | NodeFailed):
+                self._obey(message)
             elif message is not None:
                 log.warning("%s: ignored a %s message", where, type(message).__name__)
+
+    def _obey(self, order: NodeReady | Drain | DrainDeadline | NodeFailed) -> None:
+        """Take in one of the supervisor's orders."""
+        if isinstance(order, NodeReady):
+            if self.state == NodeState.STARTING:
+                self.state = NodeState.READY
+                log.info("the node is ready")
+        elif isinstance(order, Drain):
+            if self.state in (NodeState.STARTING, NodeState.READY):
+                self.state = NodeState.DRAINING
+                log.info("draining: %d requests in flight", self.in_flight)
+                self.kv_events.close()
+                self._report_idle()
+        elif isinstance(order, DrainDeadline):
+            self._cut_off(order)
+        else:
+            self._fail(order)
 
     def _deliver(self, request_id: str, message: Any, last: bool) -> None:
         deliver = (
@@ -173,6 +193,7 @@ class EngineClient:
     def _fail(self, message: NodeFailed) -> None:
         self.state = NodeState.FAILED
         self.failure = message.reason
+        self.kv_events.close()
         log.error("the node failed: %s", message.reason)
         self._end_every_request(message)
 
@@ -196,8 +217,8 @@ class EngineClient:
 
 
 def _exit_if_failed(task: asyncio.Task[None]) -> None:
-    # An API server that no longer hears the scheduler would hang every request: better to
-    # die, which the supervisor turns into a restart of the node.
+    # An API server that no longer hears the scheduler would hang every request (or feed a
+    # stale cache map): better to die, which the supervisor turns into a restart of the node.
     if not task.cancelled() and task.exception() is not None:
         log.critical("the inbox reader failed", exc_info=task.exception())
         os._exit(1)

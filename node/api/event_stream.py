@@ -1,4 +1,5 @@
-"""Server-sent events that stop, and clean up, the moment the client goes away."""
+"""Streamed responses (server-sent events, JSON lines) that stop, and clean up, the moment the
+client goes away."""
 
 from __future__ import annotations
 
@@ -75,3 +76,9 @@ class EventStreamResponse(StreamingResponse):
         async for chunk in self.events:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class JsonLinesResponse(EventStreamResponse):
+    """Streams newline-delimited JSON (one object a line), ending like ``EventStreamResponse``."""
+
+    media_type = "application/x-ndjson"

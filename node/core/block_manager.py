@@ -153,7 +153,7 @@ class BlockManager:
             return
         hashes = self._full_block_hashes(seq)
         for i in range(seq.blocks.num_registered, num_full):
-            self.pool.register(seq.blocks.ids[i], hashes[i])
+            self.pool.register(seq.blocks.ids[i], hashes[i], hashes[i - 1] if i else self._root)
         seq.blocks.num_registered = num_full
 
     def take_copies(self) -> list[tuple[int, int]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pagedllm.core.kv_events import CacheEvent
+
 
 @dataclass
 class Block:
@@ -21,6 +23,10 @@ class BlockPool:
     Free blocks wait in least-recently-used order: allocation takes from the front, freeing
     appends to the back, so freed blocks that still carry a hash stay reusable as long as
     possible.
+
+    Once ``record_events`` is called, every change of the hash map is appended to ``events``
+    (see ``kv_events``) until the owner takes them with ``take_events``; replaying them gives
+    the hash map's keys exactly. Without it nothing is recorded.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -29,6 +35,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
+        self.events: list[CacheEvent] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -49,6 +56,8 @@ class BlockPool:
         if block.content_hash is not None:
             if self._by_hash.get(block.content_hash) == block_id:
                 del self._by_hash[block.content_hash]
+                if self.events is not None:
+                    self.events.append((block.content_hash, None))
             block.content_hash = None
         block.ref_count = 1
         return block_id
@@ -71,14 +80,35 @@ class BlockPool:
     def cached_block(self, content_hash: bytes) -> int | None:
         return self._by_hash.get(content_hash)
 
-    def register(self, block_id: int, content_hash: bytes) -> None:
-        """Record that ``block_id`` holds the KV of content ``content_hash``."""
+    def register(self, block_id: int, content_hash: bytes, parent_hash: bytes) -> None:
+        """Record that ``block_id`` holds the KV of content ``content_hash``, whose chain
+        continues ``parent_hash`` (the block before it, or the root)."""
         block = self.blocks[block_id]
         if block.content_hash is not None:
             return
         block.content_hash = content_hash
-        # The first block registered for a content wins; a duplicate stays private.
-        self._by_hash.setdefault(content_hash, block_id)
+        if content_hash in self._by_hash:
+            return  # the first block registered for a content wins; a duplicate stays private
+        self._by_hash[content_hash] = block_id
+        if self.events is not None:
+            self.events.append((content_hash, parent_hash))
+
+    @property
+    def cached_hashes(self) -> list[bytes]:
+        """Every content hash a new request could reuse, in the order they were registered."""
+        return list(self._by_hash)
+
+    def record_events(self) -> None:
+        """Record the hash map's changes from now on (see ``take_events``)."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[CacheEvent]:
+        """The changes recorded since the last call, oldest first."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free

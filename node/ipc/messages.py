@@ -7,7 +7,9 @@ payload that does not fit raises ``WireError``; receivers log and drop it.
 
 Who sends what:
 - API server -> scheduler: AddRequest, AbortRequest, StopSequence
-- scheduler -> API server: RequestOutputs, RequestRejected
+- scheduler -> API server: RequestOutputs, RequestRejected; to every API server:
+  CacheLayout once, then KVEvents each step the prefix cache or the load changed, and at
+  least once a second when idle (the KV-events feed, see ``api.kv_events``)
 - scheduler -> workers: StepPlan; worker rank 0 -> scheduler: WorkerReady, StepResult,
   StepRefused
 - every process -> supervisor: ProcessReady; API server -> supervisor: ApiServerIdle;
@@ -23,6 +25,7 @@ from typing import Any
 
 import msgpack
 
+from pagedllm.core.kv_events import KVUpdate, NodeLoad
 from pagedllm.core.request_delta import RequestDelta
 from pagedllm.core.step_plan import StepPlan, StepResult
 from pagedllm.ipc.codec import WireError, decoder, encoder
@@ -71,6 +74,28 @@ class RequestRejected:
     request_id: str
     status: int
     message: str
+
+
+@dataclass
+class CacheLayout:
+    """How the scheduler hashes KV blocks: what a subscriber needs to hash prompts alike."""
+
+    block_size: int
+    hash_seed: int
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.num_blocks < 1:
+            raise ValueError(f"block_size {self.block_size}, num_blocks {self.num_blocks}")
+
+
+@dataclass
+class KVEvents:
+    """The prefix cache's changes since the last KVEvents, in order (none: a heartbeat), and
+    the load after them."""
+
+    updates: list[KVUpdate]
+    load: NodeLoad
 
 
 @dataclass
@@ -131,6 +156,8 @@ Message = (
     | StopSequence
     | RequestOutputs
     | RequestRejected
+    | CacheLayout
+    | KVEvents
     | WorkerReady
     | StepRefused
     | ProcessReady
@@ -165,6 +192,8 @@ SCHEMAS: dict[str, Schema] = {
         _typed("stop_sequence", StopSequence, 1),
         _typed("request_outputs", RequestOutputs, 3),
         _typed("request_rejected", RequestRejected, 1),
+        _typed("cache_layout", CacheLayout, 1),
+        _typed("kv_events", KVEvents, 1),
         _typed("worker_ready", WorkerReady, 2),
         _typed("step_refused", StepRefused, 1),
         _typed("process_ready", ProcessReady, 1),

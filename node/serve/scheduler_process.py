@@ -6,7 +6,8 @@ token, then the rest with its end: see ``output_buffer``). With async scheduling
 one worker) the plan of the next step is sent before the samples of the current one are back,
 its new tokens standing in as placeholders the worker fills in, so the worker never waits for
 this process; otherwise the next plan goes out as soon as the samples are in, before the
-outputs are encoded. With nothing to do it blocks on its inbox.
+outputs are encoded. With nothing to do it waits on its inbox. After each step, and while it
+waits, it sends the API servers the prefix cache's changes and the load (``kv_event_sender``).
 
 A node that cannot make progress fails loudly: a step the workers refuse, a step whose results
 are overdue (``StepDeadline``) or results that cannot belong to the step end this process after
@@ -34,6 +35,7 @@ from pagedllm.ipc import messages, sockets
 from pagedllm.ipc.messages import (
     AbortRequest,
     AddRequest,
+    CacheLayout,
     NodeFailed,
     ProcessReady,
     RequestOutputs,
@@ -43,6 +45,7 @@ from pagedllm.ipc.messages import (
     WorkerReady,
 )
 from pagedllm.serve.child_process import setup_child
+from pagedllm.serve.kv_event_sender import HEARTBEAT_S, KVEventSender
 from pagedllm.serve.metrics import SchedulerMetrics
 
 log = logging.getLogger(__name__)
@@ -114,6 +117,12 @@ class SchedulerLoop:
         self.vocab_size = ready.vocab_size
         self.deadline = StepDeadline(spec.step_timeout)
         self.metrics.set_capacity(ready.num_blocks)
+        config = self.scheduler.config
+        self.kv_events = KVEventSender(
+            self.scheduler.block_manager.pool,
+            self.api_servers,
+            CacheLayout(config.block_size, config.seed, config.num_blocks),
+        )
 
     def _wait_for_workers(self) -> WorkerReady:
         while True:
@@ -132,13 +141,23 @@ class SchedulerLoop:
         while True:
             if pipeline.idle:
                 if not self.scheduler.has_work():
-                    self.metrics.observe(self.scheduler.stats())
-                    self._receive(block=True)
-                self._receive(block=False)
+                    self._wait_for_requests()
+                self._receive()
             pipeline.send_next()
-            deltas = pipeline.complete(self._await_result, lambda: self._receive(block=False))
+            deltas = pipeline.complete(self._await_result, self._receive)
             self._send_outputs(deltas)
-            self.metrics.observe(self.scheduler.stats())
+            self._report()
+
+    def _report(self) -> None:
+        stats = self.scheduler.stats()
+        self.metrics.observe(stats)
+        self.kv_events.publish(stats)
+
+    def _wait_for_requests(self) -> None:
+        """Wait until an API server sends something, reporting the idle node meanwhile."""
+        self._report()
+        while not self.requests.poll(int(HEARTBEAT_S * 1000)):
+            self._report()
 
     def _send(self, plan: StepPlan) -> None:
         data = messages.encode(plan)
@@ -163,7 +182,7 @@ class SchedulerLoop:
                 )
             ready = dict(self.poller.poll(max(1, int(left * 1000))))
             if self.requests in ready:
-                self._receive(block=False)
+                self._receive()
             if self.results not in ready:
                 continue
             message = sockets.parse(self.results.recv(), WHERE)
@@ -205,16 +224,13 @@ class SchedulerLoop:
             return f"samples token ids outside [0, {self.vocab_size})"
         return None
 
-    def _receive(self, block: bool) -> None:
-        """Take in what the API servers sent: everything queued, after waiting for the first
-        message when ``block``."""
-        flags = 0 if block else zmq.NOBLOCK
+    def _receive(self) -> None:
+        """Take in everything the API servers sent that is queued."""
         while True:
             try:
-                data = self.requests.recv(flags)
+                data = self.requests.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            flags = zmq.NOBLOCK
             message = sockets.parse(data, WHERE)
             if isinstance(message, AddRequest):
                 self._add(message)

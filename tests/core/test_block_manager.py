@@ -57,6 +57,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.live: set[str] = set()
         self.finished: set[str] = set()
+        self.ran: dict[int, Sequence] = {}  # every sequence scheduled so far, by id
 
     @rule(
         prompt=st.lists(st.integers(1, 5), min_size=1, max_size=30),
@@ -88,6 +89,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, steps: int) -> None:
         for _ in range(steps):
             plan = self.scheduler.schedule()
+            self.ran.update((s.seq_id, s) for s in self.scheduler.running)
             result = self.worker.execute(plan)
             for delta in self.scheduler.update(plan, result):
                 if delta.finished:

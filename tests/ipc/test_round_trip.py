@@ -13,12 +13,16 @@ import types
 import typing
 from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedllm.core.block_manager import block_hash, root_hash
+from pagedllm.core.kv_events import HASH_BYTES, KVUpdate, NodeLoad
 from pagedllm.core.step_plan import SeqSample, StepPlan, StepResult
 from pagedllm.ipc import messages
+from pagedllm.ipc.codec import WireError
 from pagedllm.ipc.step_codec import decode_plan, decode_result, encode_plan, encode_result
 from pagedllm.sampling_params import SamplingParams
 
@@ -71,10 +75,29 @@ def seq_samples(draw: st.DrawFn) -> SeqSample:
     return SeqSample(draw(ints), tokens, logprobs, top)
 
 
+block_hashes = st.binary(min_size=HASH_BYTES, max_size=HASH_BYTES)
+
 # Classes whose constructor or wire form constrains their fields beyond their type hints.
 CONSTRAINED: dict[type, st.SearchStrategy[Any]] = {
     SamplingParams: sampling_params(),
     SeqSample: seq_samples(),
+    KVUpdate: st.builds(
+        KVUpdate,
+        stored=st.lists(st.tuples(block_hashes, block_hashes), max_size=4),
+        removed=st.lists(block_hashes, max_size=4),
+    ),
+    NodeLoad: st.builds(
+        NodeLoad,
+        running=st.integers(0, INT64_MAX),
+        waiting=st.integers(0, INT64_MAX),
+        kv_usage=st.floats(0.0, 1.0),
+    ),
+    messages.CacheLayout: st.builds(
+        messages.CacheLayout,
+        block_size=st.integers(1, INT64_MAX),
+        hash_seed=ints,
+        num_blocks=st.integers(1, INT64_MAX),
+    ),
 }
 
 
@@ -145,3 +168,31 @@ def test_step_plan_columns_give_the_plan_back(plan: StepPlan) -> None:
 @given(result=values_of(StepResult))
 def test_step_result_columns_give_the_result_back(result: StepResult) -> None:
     assert decode_result(encode_result(result)) == result
+
+
+def test_kv_events_carry_real_block_hashes_and_heartbeats() -> None:
+    root = root_hash(0)
+    first = block_hash(root, list(range(16)))
+    second = block_hash(first, list(range(16, 32)))
+    load = NodeLoad(running=3, waiting=1, kv_usage=0.25)
+    sent = messages.KVEvents(
+        [KVUpdate(stored=[(first, root), (second, first)]), KVUpdate(removed=[second])], load
+    )
+    assert messages.decode(messages.encode(sent)) == sent
+    heartbeat = messages.KVEvents([], load)
+    assert messages.decode(messages.encode(heartbeat)) == heartbeat
+
+
+@pytest.mark.parametrize(
+    ("payload", "complaint"),
+    [
+        ([[[[[b"short", b"x" * 16]], []]], [0, 0, 0.0]], "16 bytes"),
+        ([[], [-1, 0, 0.0]], "negative request counts"),
+        ([[], [0, 0, 1.5]], "kv_usage"),
+        ([[], [0, 0]], "NodeLoad"),
+    ],
+)
+def test_malformed_kv_events_are_refused(payload: Any, complaint: str) -> None:
+    wire = msgpack.packb(["kv_events", 1, payload], use_bin_type=True)
+    with pytest.raises(WireError, match=complaint):
+        messages.decode(wire)
