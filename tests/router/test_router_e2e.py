@@ -186,7 +186,8 @@ def test_requests_go_where_their_prefix_is_cached_and_hit_it(
 
 
 def test_a_prompt_cached_nowhere_lands_with_its_twins(router: Server, nodes: list[Server]) -> None:
-    """Identical system prompts sent at once, before any is cached, go to one node."""
+    """Identical system prompts sent at once, before any is cached, go to one node (two of
+    them: a third at once would put that node over the load bound of 1.25 x the mean)."""
     before = [served(n) for n in nodes]
     messages = [
         {"role": "system", "content": long_prompt("a fresh system prompt about orchards")},
@@ -198,14 +199,14 @@ def test_a_prompt_cached_nowhere_lands_with_its_twins(router: Server, nodes: lis
             target=client.chat.completions.create,
             kwargs={"model": DEMO_MODEL, "messages": messages, "max_completion_tokens": 2},
         )
-        for _ in range(3)
+        for _ in range(2)
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     grown = sorted(served(n) - b for n, b in zip(nodes, before, strict=True))
-    assert grown == [0, 3]
+    assert grown == [0, 2]
 
 
 def test_a_client_that_leaves_aborts_the_request_upstream(
@@ -261,11 +262,10 @@ def test_no_ready_node_is_a_503_and_the_router_stays_healthy(
 
 def test_held_requests_wait_for_a_node_to_become_ready(tmp_path: Path, model_dir: str) -> None:
     port = free_port()
-    future = Server(None, port, tmp_path / "none.log", tmp_path)  # type: ignore[arg-type]
     router = start_router(
         tmp_path / "router",
         model_dir,
-        [future],
+        [f"http://127.0.0.1:{port}"],
         "--max-held-requests",
         "2",
         "--hold-timeout",
@@ -358,16 +358,18 @@ def test_a_refusing_node_is_skipped_before_the_first_byte(
 
 
 def test_the_router_drains_on_sigterm(tmp_path: Path, model_dir: str, nodes: list[Server]) -> None:
-    router = start_router(tmp_path, model_dir, [n.url for n in nodes], api_key=KEY)
+    router = start_router(
+        tmp_path, model_dir, [n.url for n in nodes], "--shutdown-timeout", "300", api_key=KEY
+    )
     wait_for(lambda: ready_backends(router) == 2, router, "both nodes' feeds")
-    body = {"model": DEMO_MODEL, "prompt": "Drain me", "max_tokens": 60, "ignore_eos": True}
+    body = {"model": DEMO_MODEL, "prompt": "Drain me", "max_tokens": 30, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream(
         "POST",
         f"{router.url}/v1/completions",
         json={**body, "stream": True},
         headers=headers,
-        timeout=120,
+        timeout=300,
     ) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
@@ -375,7 +377,7 @@ def test_the_router_drains_on_sigterm(tmp_path: Path, model_dir: str, nodes: lis
         wait_for(lambda: router.health() == 503, router, "/health to turn 503")
         rest = list(lines)
     assert "data: [DONE]" in rest  # the stream in flight ran to its end
-    assert router.process.wait(30) == 0
+    assert router.process.wait(60) == 0
 
 
 def test_the_feed_reports_the_hashes_the_router_computes(
