@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.api.engine_client import NodeState
-from pagedllm.api.errors import ApiError, error_response
+from pagedllm.api.errors import ApiError, error_response, unavailable
 from pagedllm.api.event_stream import (
     EventStreamResponse,
     JsonLinesResponse,
@@ -238,13 +238,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         ctx.check_admitting()
         feed = ctx.client.kv_events
         if not feed.ready:  # the scheduler's layout is on its way
-            raise ApiError(
-                503,
-                "the server is starting; retry the request",
-                "service_unavailable_error",
-                "starting",
-                headers={"Retry-After": "1"},
-            )
+            raise unavailable("the server is starting; retry the request", "starting")
         snapshot, subscriber = feed.subscribe()
         return JsonLinesResponse(
             feed.stream(snapshot, subscriber), lambda: feed.unsubscribe(subscriber)
