@@ -218,8 +218,8 @@ def router_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Rout
         parser.error("--discover-namespace and --discover-service go together")
     if not discovering and ns.backends is None:
         parser.error(
-            "--backends (or --discover-namespace with --discover-service) is required: "
-            "the serving nodes to route to"
+            "--backends is required (the serving nodes to route to), or "
+            "--discover-namespace with --discover-service"
         )
     return RouterArgs(
         model_dir=str(model_dir.resolve()),

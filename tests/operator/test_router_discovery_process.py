@@ -70,7 +70,7 @@ def test_router_follows_the_services_endpoints(
             ["--discover-namespace", "ns", "--discover-service", "s", "--backends", "http://a:1"],
             "exclude each other",
         ),
-        ([], "--backends (or --discover-namespace with --discover-service) is required"),
+        ([], "--backends is required (the serving nodes to route to), or --discover-namespace"),
         (
             ["--discover-namespace", "Bad_NS", "--discover-service", "s"],
             "expected a Kubernetes name",
