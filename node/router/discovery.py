@@ -58,6 +58,12 @@ def _host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
 
+def _objects(value: Any) -> list[Mapping[str, Any]]:
+    """The mappings of a list field, anything else dropped (an API server validates slices;
+    a malformed one must still not stop discovery)."""
+    return [item for item in value if isinstance(item, Mapping)] if isinstance(value, list) else []
+
+
 def slice_urls(endpoint_slice: Mapping[str, Any], port_name: str) -> set[str]:
     """The URLs of one slice's ready endpoints on the named port.
 
@@ -67,23 +73,26 @@ def slice_urls(endpoint_slice: Mapping[str, Any], port_name: str) -> set[str]:
     port = next(
         (
             p.get("port")
-            for p in endpoint_slice.get("ports") or []
+            for p in _objects(endpoint_slice.get("ports"))
             if (p.get("name") or "") == port_name
         ),
         None,
     )
-    if not isinstance(port, int) or endpoint_slice.get("addressType") not in (
-        "IPv4",
-        "IPv6",
-        "FQDN",
+    if (
+        not isinstance(port, int)
+        or isinstance(port, bool)
+        or not 0 < port < 65536
+        or endpoint_slice.get("addressType") not in ("IPv4", "IPv6", "FQDN")
     ):
         return set()
     urls = set()
-    for endpoint in endpoint_slice.get("endpoints") or []:
-        addresses = endpoint.get("addresses") or []
-        conditions = endpoint.get("conditions") or {}
-        if addresses and conditions.get("ready") is not False:
-            urls.add(f"http://{_host(addresses[0])}:{port}")
+    for endpoint in _objects(endpoint_slice.get("endpoints")):
+        addresses = endpoint.get("addresses")
+        conditions = endpoint.get("conditions")
+        ready = conditions.get("ready") if isinstance(conditions, Mapping) else None
+        if isinstance(addresses, list) and addresses and isinstance(addresses[0], str):
+            if ready is not False:
+                urls.add(f"http://{_host(addresses[0])}:{port}")
     return urls
 
 
@@ -189,8 +198,19 @@ class EndpointSliceDiscovery:
                     backoff,
                     error,
                 )
-                stop.wait(backoff)
-                backoff = min(backoff * 2, self.max_backoff_seconds)
+            except Exception:
+                # Whatever else goes wrong, discovery must go on: the router keeps the
+                # backends it knows and tries again.
+                logger.exception(
+                    "discovery of %s/%s failed, retrying in %gs",
+                    self.target.namespace,
+                    self.target.service,
+                    backoff,
+                )
+            else:
+                continue
+            stop.wait(backoff)
+            backoff = min(backoff * 2, self.max_backoff_seconds)
 
     def _list(self) -> tuple[dict[str, dict[str, Any]], str]:
         # Raw JSON (not the client's models): the same dicts the watch events carry.

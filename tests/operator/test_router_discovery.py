@@ -70,6 +70,17 @@ def test_slice_urls_takes_ready_endpoints_on_the_named_port() -> None:
     six = endpoint_slice("b", [endpoint("fd00::1")], address_type="IPv6")
     assert slice_urls(six, "http") == {"http://[fd00::1]:8000"}
     assert slice_urls({**one, "ports": [{"name": "http", "port": None}]}, "http") == set()
+    # Malformed slices (an API server would refuse them) are ignored, never a crash.
+    for broken in (
+        {**one, "ports": "http"},
+        {**one, "ports": [{"name": "http", "port": 0}]},
+        {**one, "ports": [{"name": "http", "port": True}]},
+        {**one, "addressType": None},
+        {**one, "endpoints": {"addresses": ["10.0.0.1"]}},
+    ):
+        assert slice_urls(broken, "http") == set(), broken
+    odd = {**one, "endpoints": [{"addresses": "10.0.0.1"}, {"addresses": [7]}, "x", {}]}
+    assert slice_urls(odd, "http") == set()
     # A pod in two slices while the controller moves it is one backend.
     assert ready_urls([one, {**one, "metadata": {"name": "c"}}], "http") == [
         "http://10.0.0.1:8000",
