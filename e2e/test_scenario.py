@@ -203,6 +203,15 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         eventually(
             lambda: routers_follow_the_pods(cluster), timeout=30, what="routers to see the pods"
         )
+        # The Service moved to the routers once one was ready.
+        eventually(
+            lambda: (
+                "pagedllm-router"
+                in cluster.kubectl("get", "svc", NAME, "-o", "jsonpath={.spec.selector}")
+            ),
+            timeout=30,
+            what="the Service to select the routers",
+        )
 
     base_url = cluster.service_url(NAME) + "/v1"
     with steps("completions and chat, streaming and not, through the Service (the routers)"):

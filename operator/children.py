@@ -116,6 +116,12 @@ def router_selector_labels(owner_name: str) -> dict[str, str]:
     return {LABEL_NAME: ROUTER_APP_NAME, LABEL_INSTANCE: owner_name}
 
 
+def selects_routers(service: Mapping[str, Any] | None, owner_name: str) -> bool:
+    """Whether this Service (the PagedLLM's own) already sends clients to the routers."""
+    selector = ((service or {}).get("spec") or {}).get("selector")
+    return selector == router_selector_labels(owner_name)
+
+
 def router_selector_string(owner_name: str) -> str:
     labels = router_selector_labels(owner_name)
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
@@ -416,11 +422,13 @@ def build_deployment(owner: Owner, spec: PagedLLMSpec, replicas: int) -> dict[st
     }
 
 
-def build_service(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
-    """The Service clients use (status.url): the routers, or without them the serving pods."""
-    selector = (
-        router_selector_labels(owner.name) if spec.router.enabled else selector_labels(owner.name)
-    )
+def build_service(
+    owner: Owner, spec: PagedLLMSpec, routers_in_front: bool = True
+) -> dict[str, Any]:
+    """The Service clients use (status.url): the routers, or without them (or until one of
+    them is ready, see `routers_in_front`) the serving pods."""
+    in_front = spec.router.enabled and routers_in_front
+    selector = router_selector_labels(owner.name) if in_front else selector_labels(owner.name)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -668,9 +676,18 @@ def build_service_monitor(owner: Owner) -> dict[str, Any]:
 
 
 def build_children(
-    owner: Owner, spec: PagedLLMSpec, replicas: int, service_monitors_available: bool
+    owner: Owner,
+    spec: PagedLLMSpec,
+    replicas: int,
+    service_monitors_available: bool,
+    routers_in_front: bool = True,
 ) -> Children:
-    wanted = [build_deployment(owner, spec, replicas), build_service(owner, spec)]
+    """`routers_in_front`: whether the Service may select the routers yet (with
+    spec.router.enabled); see reconcile."""
+    wanted = [
+        build_deployment(owner, spec, replicas),
+        build_service(owner, spec, routers_in_front),
+    ]
     unwanted = []
     pdb = ChildRef("policy/v1", "PodDisruptionBudget", owner.name)
     if replicas > 1:

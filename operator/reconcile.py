@@ -18,6 +18,7 @@ from pagedllm.operator.children import (
     router_name,
     router_selector_string,
     selector_string,
+    selects_routers,
     service_url,
 )
 from pagedllm.operator.config import OperatorConfig
@@ -104,10 +105,29 @@ def _owned_by(obj: Mapping[str, Any], owner: Owner) -> bool:
     )
 
 
+async def _routers_in_front(ctx: OperatorContext, owner: Owner, spec: PagedLLMSpec) -> bool:
+    """Whether the Service may select the routers: once one of them is ready, and from then
+    on. Switching earlier would leave clients without an endpoint while the routers start,
+    e.g. when an operator upgrade puts routers in front of a PagedLLM that already serves."""
+    if not spec.router.enabled:
+        return False
+    service = await ctx.kube.get("v1", "Service", owner.name, owner.namespace)
+    if selects_routers(service, owner.name):
+        return True
+    routers = await ctx.kube.get("apps/v1", "Deployment", router_name(owner.name), owner.namespace)
+    return ((routers or {}).get("status") or {}).get("readyReplicas", 0) > 0
+
+
 async def _apply_children(
     ctx: OperatorContext, owner: Owner, spec: PagedLLMSpec, replicas: int
 ) -> None:
-    children = build_children(owner, spec, replicas, await ctx.service_monitors_available())
+    children = build_children(
+        owner,
+        spec,
+        replicas,
+        await ctx.service_monitors_available(),
+        routers_in_front=await _routers_in_front(ctx, owner, spec),
+    )
     for manifest in children.wanted:
         name = manifest["metadata"]["name"]
         existing = await ctx.kube.get(

@@ -77,6 +77,15 @@ def test_default_spec_puts_two_routers_in_front() -> None:
     )
 
 
+def test_until_a_router_is_ready_the_service_selects_the_serving_pods() -> None:
+    built = build_children(
+        OWNER, spec_with(), 2, service_monitors_available=False, routers_in_front=False
+    )
+    children = {(c["kind"], c["metadata"]["name"]): c for c in built.wanted}
+    assert children[("Service", "llama")]["spec"]["selector"] == selector_labels("llama")
+    assert ("Deployment", "llama-router") in children  # the routers start meanwhile
+
+
 def test_router_and_serving_pods_never_select_each_other() -> None:
     spec = spec_with()
     serving = build_deployment(OWNER, spec, 2)

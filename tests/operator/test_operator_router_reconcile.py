@@ -61,8 +61,14 @@ def test_routers_come_and_go_with_the_spec(kube: Kube, namespace: str) -> None:
     args = routers["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--discover-service") + 1] == "demo-serving"
     assert args[args.index("--discover-namespace") + 1] == namespace
-    service = kube.get(service_path(namespace, "demo"))
-    assert service["spec"]["selector"] == routers["spec"]["selector"]["matchLabels"]
+    serving = kube.get(deployment_path(namespace, "demo"))["spec"]["selector"]["matchLabels"]
+    router_labels = routers["spec"]["selector"]["matchLabels"]
+
+    def service_selector() -> dict[str, str]:
+        return kube.get(service_path(namespace, "demo"))["spec"]["selector"]
+
+    # No router ready yet: clients still reach the serving pods directly.
+    assert service_selector() == serving
     assert children["binding"]["subjects"] == [  # type: ignore[index]
         {"kind": "ServiceAccount", "name": "demo-router", "namespace": namespace}
     ]
@@ -80,6 +86,14 @@ def test_routers_come_and_go_with_the_spec(kube: Kube, namespace: str) -> None:
         ),
         what="Router and Ready",
     )
+    eventually(lambda: service_selector() == router_labels, what="the Service on the routers")
+    # From then on it stays there, even while no router is ready (no flapping).
+    mark_deployment_ready(kube, namespace, "demo-router", ready=0)
+    eventually(
+        lambda: router_condition(kube, namespace).get("message") == "0/2 routers ready",
+        what="0/2 routers",
+    )
+    assert service_selector() == router_labels
 
     # A router child deleted by hand comes back.
     kube.delete(rbac_path(namespace, "roles", "demo-router"))
@@ -94,11 +108,7 @@ def test_routers_come_and_go_with_the_spec(kube: Kube, namespace: str) -> None:
         lambda: not any(router_children(kube, namespace).values()),
         what="the router's children to go",
     )
-    serving = kube.get(deployment_path(namespace, "demo"))
-    assert (
-        kube.get(service_path(namespace, "demo"))["spec"]["selector"]
-        == serving["spec"]["selector"]["matchLabels"]
-    )
+    assert service_selector() == serving
     eventually(
         lambda: router_condition(kube, namespace).get("reason") == "Disabled",
         what="Router Disabled",
