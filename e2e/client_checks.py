@@ -168,12 +168,16 @@ class StreamStats:
     requests: int = 0
     tokens: int = 0
     failures: list[str] = field(default_factory=list)
+    # Requests whose stream had opened (status and headers received) before it broke.
+    cut: list[str] = field(default_factory=list)
 
 
 class KeepStreaming:
     """Streams completions and chat completions back to back from a thread until stopped;
-    every request that does not end with a finish_reason counts as failed. With
-    `ignore_eos`, each stream runs its full `max_tokens`."""
+    every request that does not end with a finish_reason counts as failed, in `cut` when its
+    stream had opened first. With `ignore_eos`, each stream runs its full `max_tokens`.
+    `retries`: the SDK's own retries of connection errors, timeouts and 429/5xx answers
+    (0: every failure counts; the openai SDK's default is 2)."""
 
     def __init__(
         self,
@@ -182,8 +186,10 @@ class KeepStreaming:
         api_key: str | None = None,
         max_tokens: int = MAX_TOKENS,
         ignore_eos: bool = False,
+        retries: int = 0,
     ):
-        self.api = client(base_url, api_key)
+        self.api = client(base_url, api_key, retries=retries)
+        self._opened = False
         self.model = model
         self.max_tokens = max_tokens
         self.extra_body = {"ignore_eos": True} if ignore_eos else None
@@ -207,13 +213,15 @@ class KeepStreaming:
     def _run(self) -> None:
         chat = False
         while not self._stop.is_set():
+            self._opened = False
             try:
                 tokens, finish = self._one(chat)
                 if finish is None:
                     raise CheckFailed("the stream ended without a finish_reason")
                 self.stats.tokens += tokens
             except (openai.OpenAIError, CheckFailed, httpx.HTTPError) as error:
-                self.stats.failures.append(f"{time.strftime('%H:%M:%S')} {error!r}")
+                where = self.stats.cut if self._opened else self.stats.failures
+                where.append(f"{time.strftime('%H:%M:%S')} {error!r}")
             self.stats.requests += 1
             chat = not chat
 
@@ -227,6 +235,7 @@ class KeepStreaming:
                 stream=True,
                 extra_body=self.extra_body,
             )
+            self._opened = True
             for chunk in stream:
                 for choice in chunk.choices:
                     tokens += bool(choice.delta.content)
@@ -239,6 +248,7 @@ class KeepStreaming:
                 stream=True,
                 extra_body=self.extra_body,
             )
+            self._opened = True
             for chunk in stream:
                 for choice in chunk.choices:
                     tokens += bool(choice.text)
@@ -369,14 +379,14 @@ def main(argv: list[str] | None = None) -> int:
         with KeepStreaming(args.base_url, args.model, args.api_key) as streaming:
             _run_for(args.stream_for)
         stats = streaming.stats
+        failed = stats.failures + stats.cut
         print(
-            f"streamed {stats.requests} requests ({stats.tokens} tokens), "
-            f"{len(stats.failures)} failed",
+            f"streamed {stats.requests} requests ({stats.tokens} tokens), {len(failed)} failed",
             flush=True,
         )
-        for failure in stats.failures:
+        for failure in failed:
             print(f"  {failure}", file=sys.stderr)
-        if stats.failures or not stats.requests:
+        if failed or not stats.requests:
             return 1
     print("all client checks passed")
     return 0

@@ -14,11 +14,18 @@ processes and reports them as Pod status, the way the real kubelet runs containe
   a mount path are rewritten to the directory, and a /tmp mount becomes TMPDIR.
 - Env: plain values, secretKeyRef and configMapKeyRef (read from the API, `optional`
   honoured), fieldRef to metadata.name, metadata.namespace and status.podIP.
+- Service-account credentials: a pod whose automountServiceAccountToken is not false gets
+  KUBECONFIG naming the cluster's kubeconfig instead of the token files a kubelet mounts under
+  /var/run/secrets/kubernetes.io/serviceaccount (fixed absolute paths that a local process
+  cannot be given); clients that fall back from in-cluster credentials to the kubeconfig, as
+  the `kubernetes` package's users commonly do, reach the API server either way.
 - Init containers run in order, each to success, before the containers start.
 - Probes: httpGet and tcpSocket startup and readiness probes with their thresholds, at their
   periodSeconds but at most every `max_probe_period` seconds (fast CI). Readiness is the
   pod's Ready condition. restartPolicy Always: a container that exits is started again after
   an exponential back-off, shown as CrashLoopBackOff with the last exit code.
+- `crash(pod)` SIGKILLs every process of a pod's containers, as an OOM kill or a crash
+  would; restartPolicy Always then starts them again.
 - Deletion is graceful: pods carry KUBELET_FINALIZER (the emulator has no graceful pod
   deletion of its own), so a deleted pod stays Terminating while the preStop exec hooks run,
   then SIGTERM goes to each container's main process (as a container runtime signals PID 1),
@@ -26,7 +33,8 @@ processes and reports them as Pod status, the way the real kubelet runs containe
   SIGKILL. Then the finalizer goes and so does the pod.
 
 Not emulated: images (the host's files are the image), users and security contexts,
-resource limits, liveness probes, volumes other than emptyDir.
+resource limits, liveness probes, volumes other than emptyDir, RBAC (the kubeconfig's user
+may do anything).
 """
 
 from __future__ import annotations
@@ -355,6 +363,10 @@ class LocalPod:
         self, container: Mapping[str, Any], mounts: Sequence[tuple[str, Path]]
     ) -> dict[str, str]:
         env = {"PATH": self.kubelet.path_variable, "HOSTNAME": self.name, **IMAGE_ENV}
+        if self.kubelet.kubeconfig is not None and self.spec.get(
+            "automountServiceAccountToken", True
+        ):
+            env["KUBECONFIG"] = str(self.kubelet.kubeconfig)
         tmp = next((directory for path, directory in mounts if path == "/tmp"), None)
         if tmp is not None:
             env["TMPDIR"] = str(tmp)
@@ -661,8 +673,11 @@ class KubeletStandin:
         root: Path,
         bin_dirs: Sequence[str],
         max_probe_period: float = 1.0,
+        kubeconfig: Path | None = None,
     ):
         self.kube = kube
+        # What pods with service-account credentials get (see the module's docstring).
+        self.kubeconfig = kubeconfig
         self.namespace = namespace
         self.root = root
         self.path_variable = os.pathsep.join([*bin_dirs, os.environ.get("PATH", "")])
@@ -726,6 +741,16 @@ class KubeletStandin:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
+
+    def crash(self, pod_name: str) -> list[int]:
+        """SIGKILL every live process of the pod's containers (an OOM kill, a crash); the
+        containers then restart as usual. The processes killed."""
+        local = next(p for p in self.pods.values() if p.name == pod_name)
+        killed = local.live_processes()
+        for pid in killed:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        return killed
 
     def kill_everything(self) -> None:
         for local in self.pods.values():

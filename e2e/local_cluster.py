@@ -1,7 +1,8 @@
 """The scenario's cluster on one machine, without Docker: the API emulator as its own process,
-the Deployment controller, kubelet and Service stand-ins in a thread, the real operator as a
-local process started the way manifests/operator.yaml starts it (its command, args and env,
-with short timers), and the real kubectl through a kubeconfig pointing at the emulator.
+the Deployment controller, kubelet, Service and EndpointSlice controller stand-ins in a
+thread, the real operator as a local process started the way manifests/operator.yaml starts it
+(its command, args and env, with short timers), and the real kubectl through a kubeconfig
+pointing at the emulator.
 
 Everything it starts runs in a process group of its own; `stop` ends them all, and
 `live_processes` tells whether anything it started is still alive.
@@ -27,6 +28,7 @@ import kopf
 import yaml
 
 from e2e.deployment_standin import DeploymentStandin
+from e2e.endpointslice_standin import EndpointSliceStandin
 from e2e.kubelet_standin import LOOPBACK, KubeletStandin, free_port, process_group_members
 from e2e.polling import eventually
 from e2e.service_proxy import ServiceProxies
@@ -62,8 +64,9 @@ def _tail(path: Path, lines: int) -> str:
 class Standins:
     """The controllers and the node a cluster would have, on an event loop in a thread."""
 
-    def __init__(self, server: str, namespace: str, root: Path):
+    def __init__(self, server: str, namespace: str, root: Path, kubeconfig: Path):
         self.server, self.namespace, self.root = server, namespace, root
+        self.kubeconfig = kubeconfig
         self.log_path = root / "standins.log"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="standins", daemon=True)
@@ -80,14 +83,18 @@ class Standins:
         # The emulator's kubeconfig has no credentials: its server address is the login.
         kube = KubeClient(lambda: kopf.ConnectionInfo(server=self.server), agent=STANDINS_AGENT)
         deployments = DeploymentStandin(kube, self.namespace)
-        self.kubelet = KubeletStandin(kube, self.namespace, self.root / "pods", [str(BIN_DIR)])
+        self.kubelet = KubeletStandin(
+            kube, self.namespace, self.root / "pods", [str(BIN_DIR)], kubeconfig=self.kubeconfig
+        )
         self.proxies = ServiceProxies(kube, self.namespace)
+        slices = EndpointSliceStandin(kube, self.namespace)
         try:
             while not self._stop.is_set():
                 for sync in (
                     lambda: deployments.sync(now_rfc3339()),
                     self.kubelet.sync,
                     self.proxies.sync,
+                    slices.sync,
                 ):
                     try:
                         await sync()
@@ -182,7 +189,7 @@ class LocalCluster:
         self.server = config["clusters"][0]["cluster"]["server"]
         # The image's build step: its CPU kernels, compiled once, read by every pod.
         assert cpu_extension.load(), "the CPU kernels did not build"
-        self.standins = Standins(self.server, NAMESPACE, self.workdir)
+        self.standins = Standins(self.server, NAMESPACE, self.workdir, self.kubeconfig)
         self.standins.start()
 
     def start_operator(self) -> None:
@@ -281,6 +288,11 @@ class LocalCluster:
             timeout=30,
             what=f"Service {name}'s stand-in listener",
         )
+
+    def crash_pod(self, name: str) -> list[int]:
+        """SIGKILL the pod's processes (see KubeletStandin.crash)."""
+        assert self.standins is not None and self.standins.kubelet is not None
+        return self.standins.kubelet.crash(name)
 
     def pod_processes(self) -> dict[str, list[int]]:
         """Pod name -> its live processes."""

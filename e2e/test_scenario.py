@@ -1,13 +1,15 @@
 """The user's whole journey, end to end, on the local cluster (local_cluster.py): apply the
-operator's manifests and a PagedLLM with kubectl, wait for it, use it through its Service with
-the openai SDK, scale it, roll out a new engine setting while a client streams, let it
-autoscale on queue depth, delete it. Every step prints its duration; a failure prints the
-objects, the operator's log and the pods' logs.
+operator's manifests and a PagedLLM with kubectl, wait for it, use it through its Service (the
+prefix-aware routers in front of the serving pods) with the openai SDK, scale it, roll out a
+new engine setting while a client streams, kill a router under load, let it autoscale on queue
+depth, delete it. Every step prints its duration; a failure prints the objects, the operator's
+log and the pods' logs.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 import time
@@ -19,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.client_checks import KeepStreaming, Load, run_checks
+from e2e.client_checks import MAX_TOKENS, KeepStreaming, Load, run_checks
 from e2e.deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
 from e2e.kubelet_standin import HOST_PORTS_ANNOTATION
 from e2e.local_cluster import NAMESPACE, REPO, LocalCluster, eventually
@@ -28,7 +30,11 @@ from pagedllm.operator.autoscaler import parse_prometheus_value
 SCENARIO = REPO / "e2e" / "demo-pagedllm.yaml"
 NAME = "demo"
 MODEL = "demo"
-SELECTOR = f"pagedllm.io/instance={NAME}"
+# The serving pods, the routers, and everything the PagedLLM owns.
+SELECTOR = f"app.kubernetes.io/name=pagedllm,pagedllm.io/instance={NAME}"
+ROUTER_SELECTOR = f"app.kubernetes.io/name=pagedllm-router,pagedllm.io/instance={NAME}"
+INSTANCE_SELECTOR = f"pagedllm.io/instance={NAME}"
+ROUTERS = 2
 PLLM = f"/apis/pagedllm.io/v1alpha1/namespaces/{NAMESPACE}/pagedllms/{NAME}"
 PODS = f"/api/v1/namespaces/{NAMESPACE}/pods"
 # The autoscaling phase: a batch of two makes queue depth easy to reach on the demo model.
@@ -43,6 +49,12 @@ AUTOSCALING = {
 LOAD_CLIENTS = 8
 # Longer than a stopping pod's preStop pause on the demo model.
 LONG_STREAM_TOKENS = 600
+# What the openai SDK does unless told otherwise: retry connection errors, timeouts, 429 and
+# 5xx answers twice, with back-off. Clients of a router that dies are assumed to keep it.
+SDK_DEFAULT_RETRIES = 2
+# Short prompts (under one KV block) that are cached nowhere: the router places each by a
+# hash of its tokens, which spreads distinct prompts over the pods.
+SPREAD_PROMPTS = 24
 
 
 class Steps:
@@ -82,6 +94,20 @@ def serving_pods(cluster: LocalCluster) -> list[dict[str, Any]]:
     return [p for p in pods(cluster) if is_pod_ready(p)]
 
 
+def routers(cluster: LocalCluster) -> list[dict[str, Any]]:
+    return cluster.list(PODS, ROUTER_SELECTOR)
+
+
+def ready_routers(cluster: LocalCluster) -> list[dict[str, Any]]:
+    return [p for p in routers(cluster) if is_pod_ready(p)]
+
+
+def local_url(pod: dict[str, Any]) -> str:
+    """The pod's HTTP port on loopback (the kubelet stand-in's mapping of port 8000)."""
+    ports = json.loads(pod["metadata"]["annotations"][HOST_PORTS_ANNOTATION])
+    return f"http://127.0.0.1:{ports['8000']}"
+
+
 def pagedllm(cluster: LocalCluster) -> dict[str, Any]:
     body = cluster.get(PLLM)
     assert body is not None, "the PagedLLM is gone"
@@ -96,8 +122,7 @@ def condition(body: dict[str, Any], kind: str) -> dict[str, Any]:
 
 def pod_metric(pod: dict[str, Any], name: str) -> float:
     """A metric from the pod's own /metrics (its loopback port)."""
-    ports = json.loads(pod["metadata"]["annotations"][HOST_PORTS_ANNOTATION])
-    text = httpx.get(f"http://127.0.0.1:{ports['8000']}/metrics", timeout=5, trust_env=False).text
+    text = httpx.get(f"{local_url(pod)}/metrics", timeout=5, trust_env=False).text
     return parse_prometheus_value(text, name) or 0.0
 
 
@@ -107,12 +132,14 @@ def engine_flag(pod: dict[str, Any], flag: str) -> str:
 
 
 def ready_with(cluster: LocalCluster, replicas: int) -> dict[str, Any] | None:
-    """The PagedLLM once it is Ready with exactly `replicas` serving pods and no others."""
+    """The PagedLLM once it is Ready with exactly `replicas` serving pods and no others, and
+    all its routers ready."""
     body = pagedllm(cluster)
     status = body.get("status") or {}
     if (
         status.get("observedGeneration") == body["metadata"]["generation"]
         and condition(body, "Ready").get("status") == "True"
+        and condition(body, "Router").get("status") == "True"
         and status.get("readyReplicas") == replicas
         and len(serving_pods(cluster)) == replicas == len(pods(cluster))
     ):
@@ -120,9 +147,9 @@ def ready_with(cluster: LocalCluster, replicas: int) -> dict[str, Any] | None:
     return None
 
 
-# The scenario takes about three minutes on two cores; a hung step fails well before the
-# suite's own limit, still printing what explains it.
-@pytest.mark.timeout(480)
+# The scenario takes five to seven minutes on two shared cores; a hung step fails well before
+# the suite's own limit, still printing what explains it.
+@pytest.mark.timeout(720)
 def test_user_journey(capsys: pytest.CaptureFixture[str]) -> None:
     # Short: the node's unix sockets live under the pods' directories.
     workdir = Path(tempfile.mkdtemp(prefix="pllm-e2e-"))
@@ -144,7 +171,9 @@ def test_user_journey(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def journey(cluster: LocalCluster, steps: Steps) -> None:
-    with steps("start the API emulator and the kubelet, Deployment and Service stand-ins"):
+    with steps(
+        "start the API emulator and the kubelet, Deployment, Service, EndpointSlice stand-ins"
+    ):
         cluster.start_api_server()
 
     with steps("kubectl apply -k manifests/ (namespace, CRD, RBAC, operator Deployment)"):
@@ -156,19 +185,36 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
     with steps("run the operator as manifests/operator.yaml runs it (short timers)"):
         cluster.start_operator()
 
-    with steps("kubectl apply a PagedLLM: demo model, 2 replicas"):
+    with steps(f"kubectl apply a PagedLLM: demo model, 2 replicas, {ROUTERS} routers"):
         cluster.kubectl("apply", "-f", str(SCENARIO))
 
     with steps("kubectl wait --for=condition=Ready pllm/demo"):
         cluster.kubectl(
             "wait", "--for=condition=Ready", f"pllm/{NAME}", "--timeout=180s", timeout=200
         )
+        cluster.kubectl(
+            "wait", "--for=condition=Router", f"pllm/{NAME}", "--timeout=120s", timeout=140
+        )
         eventually(lambda: ready_with(cluster, 2), timeout=30, what="2 serving pods")
-        assert set(cluster.pod_processes()) == {p["metadata"]["name"] for p in pods(cluster)}
-        steps.say(cluster.kubectl("get", "pllm,deploy,pods", "-o", "wide"))
+        everything = cluster.list(PODS, INSTANCE_SELECTOR)
+        assert len(everything) == 2 + ROUTERS
+        assert set(cluster.pod_processes()) == {p["metadata"]["name"] for p in everything}
+        steps.say(cluster.kubectl("get", "pllm,deploy,pods,svc", "-o", "wide"))
+        eventually(
+            lambda: routers_follow_the_pods(cluster), timeout=30, what="routers to see the pods"
+        )
+        # The Service moved to the routers once one was ready.
+        eventually(
+            lambda: (
+                "pagedllm-router"
+                in cluster.kubectl("get", "svc", NAME, "-o", "jsonpath={.spec.selector}")
+            ),
+            timeout=30,
+            what="the Service to select the routers",
+        )
 
     base_url = cluster.service_url(NAME) + "/v1"
-    with steps("completions and chat, streaming and not, through the Service (openai SDK)"):
+    with steps("completions and chat, streaming and not, through the Service (the routers)"):
         run_checks(base_url, MODEL, log=steps.say)
 
     with steps("kubectl scale pllm/demo --replicas=3; three ready pods serve"):
@@ -182,6 +228,9 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         )
         cluster.kubectl("wait", "--for=condition=Ready", f"pllm/{NAME}", "--timeout=60s")
         eventually(lambda: ready_with(cluster, 3), timeout=30, what="3 serving pods")
+        eventually(
+            lambda: routers_follow_the_pods(cluster), timeout=30, what="routers to see 3 pods"
+        )
         every_pod_answers(cluster, base_url)
 
     with steps(
@@ -189,6 +238,11 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         "while a client keeps streaming"
     ):
         rolling_update(cluster, base_url, steps)
+
+    with steps(
+        "kill a router pod (SIGKILL) while clients stream: none fails before its stream opened"
+    ):
+        kill_a_router(cluster, base_url, steps)
 
     with steps("autoscaling (min 1, max 3, waitingRequests): idle, it goes down to min"):
         cluster.kubectl(
@@ -223,16 +277,21 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         eventually(lambda: ready_with(cluster, 1), timeout=120, what="back to 1 replica")
         steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
 
-    with steps("kubectl delete pllm/demo: pods and Service gone, no process left"):
+    with steps("kubectl delete pllm/demo: pods, routers and Services gone, no process left"):
         cluster.kubectl("delete", "pllm", NAME, "--timeout=60s")
         cluster.kubectl(
-            "wait", "--for=delete", "pod", "-l", SELECTOR, "--timeout=120s", timeout=140
+            "wait", "--for=delete", "pod", "-l", INSTANCE_SELECTOR, "--timeout=120s", timeout=140
         )
         # The garbage collector also removes what a reconcile in flight created just after.
         eventually(
             lambda: (
                 "No resources found"
-                in cluster.kubectl("get", "deploy,rs,svc,pdb,pods", "-l", SELECTOR)
+                in cluster.kubectl(
+                    "get",
+                    "deploy,rs,svc,pdb,pods,sa,role,rolebinding",
+                    "-l",
+                    INSTANCE_SELECTOR,
+                )
             ),
             timeout=30,
             what="the PagedLLM's children to be gone",
@@ -268,21 +327,87 @@ def latest_event(cluster: LocalCluster, reason: str) -> str:
     return f"{reason}: {eventually(messages, timeout=30, what=f'a {reason} event')[-1]}"
 
 
+def routers_follow_the_pods(cluster: LocalCluster) -> bool:
+    """Every router lists exactly the ready serving pods as its live backends (discovered
+    through the serving Service's EndpointSlices, each feed subscribed)."""
+    wanted = {local_url(p) for p in serving_pods(cluster)}
+    ready = ready_routers(cluster)
+    if len(ready) != ROUTERS:
+        return False
+    for router in ready:
+        text = httpx.get(f"{local_url(router)}/metrics", timeout=5, trust_env=False).text
+        live = set(re.findall(r'router_backend_ready\{backend="([^"]+)"\} 1\.0', text))
+        listed = set(re.findall(r'router_backend_ready\{backend="([^"]+)"\}', text))
+        if live != wanted or listed != wanted:
+            return False
+    return True
+
+
 def every_pod_answers(cluster: LocalCluster, base_url: str) -> None:
-    """Fresh connections (one per request) are spread over every ready pod."""
+    """Distinct prompts cached nowhere, one per fresh connection, reach every ready pod."""
     ready = serving_pods(cluster)
     before = {p["metadata"]["name"]: pod_metric(p, "vllm:request_success_total") for p in ready}
-    for _ in range(2 * len(ready)):
+    for index in range(SPREAD_PROMPTS):
         response = httpx.post(
             f"{base_url}/completions",
             timeout=60,
             trust_env=False,
-            json={"model": MODEL, "prompt": "Hello", "max_tokens": 4},
+            json={"model": MODEL, "prompt": f"Hello number {index}", "max_tokens": 4},
         )
         response.raise_for_status()
     after = {p["metadata"]["name"]: pod_metric(p, "vllm:request_success_total") for p in ready}
     idle = [name for name in before if after[name] <= before[name]]
     assert not idle, f"pods that served nothing: {idle} ({before} -> {after})"
+
+
+def restarts(pod: dict[str, Any]) -> int:
+    return sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or [])
+
+
+def kill_a_router(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
+    """Clients stream through the Service (each keeps its connection, so both routers carry
+    some) while one router's processes get SIGKILL. Streams that had opened through it may
+    break; every other request must succeed, on the other router, with the SDK's default
+    retries of connection errors. The kubelet restarts the router and it serves again."""
+    victim = ready_routers(cluster)[0]
+    name, restarted = victim["metadata"]["name"], restarts(victim)
+    # Two short and two long streams back to back.
+    clients = [
+        KeepStreaming(
+            base_url,
+            MODEL,
+            max_tokens=tokens,
+            ignore_eos=tokens == LONG_STREAM_TOKENS,
+            retries=SDK_DEFAULT_RETRIES,
+        )
+        for tokens in (MAX_TOKENS, MAX_TOKENS, LONG_STREAM_TOKENS, LONG_STREAM_TOKENS)
+    ]
+    for client in clients:
+        client.__enter__()
+    try:
+        time.sleep(2)  # streams open through both routers
+        killed = cluster.crash_pod(name)
+        steps.say(f"   SIGKILL to {len(killed)} processes of {name}")
+        eventually(
+            lambda: any(
+                p["metadata"]["name"] == name and restarts(p) > restarted
+                for p in ready_routers(cluster)
+            ),
+            timeout=90,
+            what=f"{name} to restart and be ready again",
+        )
+        eventually(lambda: routers_follow_the_pods(cluster), timeout=30, what="routers' backends")
+        time.sleep(1)  # and streaming through it again
+    finally:
+        stats = [client.stop() for client in clients]
+    requests = sum(s.requests for s in stats)
+    failed = [f for s in stats for f in s.failures]
+    cut = [f for s in stats for f in s.cut]
+    steps.say(f"   {requests} streams, {len(cut)} cut mid-stream by the kill, {len(failed)} failed")
+    assert requests > 0
+    assert not failed, f"requests that had not started streaming failed: {failed}"
+    body = pagedllm(cluster)
+    assert condition(body, "Router").get("status") == "True", condition(body, "Router")
 
 
 def rolling_update(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
@@ -322,11 +447,12 @@ def rolling_update(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
         cluster.kubectl("rollout", "status", f"deployment/{NAME}", "--timeout=10s")
         time.sleep(1)  # and streaming on the new pods
     for kind, stats in (("short", short.stats), ("long", long.stats)):
+        failed = stats.failures + stats.cut
         steps.say(
             f"   {stats.requests} {kind} streams during the rollout "
-            f"({stats.tokens} tokens), {len(stats.failures)} failed"
+            f"({stats.tokens} tokens), {len(failed)} failed"
         )
-        assert not stats.failures, f"{kind} streams failed during the rollout: {stats.failures}"
+        assert not failed, f"{kind} streams failed during the rollout: {failed}"
         assert stats.requests > 0
     steps.say(f"   Progressing reasons seen: {reasons}")
     assert "RollingUpdate" in reasons

@@ -1,9 +1,11 @@
 """The `pagedllm` command.
 
     pagedllm serve [--model DIR] [--port 8000] ...   serve the OpenAI API (see serve_args)
+    pagedllm router --model DIR --backends URL,...  route requests to nodes by cached prefix
+        (or --discover-namespace NS --discover-service SVC: the nodes of a Kubernetes Service)
     pagedllm generate [--prompt TEXT] ...            one offline generation, printed
     pagedllm demo-model DIR                          write the built-in demo checkpoint
-    pagedllm download hf://ORG/NAME DIR              fetch a Hugging Face model
+    pagedllm download [--tokenizer-only] hf://ORG/NAME DIR   fetch a Hugging Face model
     pagedllm operator [KOPF RUN OPTIONS]             run the Kubernetes operator
 
 Heavy imports (torch, transformers, kopf) happen inside the subcommand that needs them, so
@@ -16,8 +18,29 @@ import argparse
 import re
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from pagedllm.router.args import RouterArgs, add_router_arguments, router_args
 from pagedllm.serve.args import add_serve_arguments, byte_size, positive_int, serve_args
+
+if TYPE_CHECKING:
+    from pagedllm.router.server import BackendSource
+
+# What tokenizing and chat templating read (routers need no weights): the tokenizer in any of
+# its formats, its special tokens and chat template, and the small configs that name the
+# tokenizer class and the end-of-sequence tokens.
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "chat_template*",
+    "config.json",
+    "generation_config.json",
+)
 
 HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[\w./-]+))?$")
 
@@ -32,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_serve_arguments(serve)
 
+    router = commands.add_parser(
+        "router", help="route OpenAI requests to serving nodes by the prefix they have cached"
+    )
+    add_router_arguments(router)
+
     generate = commands.add_parser("generate", help="generate once, offline, and print it")
     generate.add_argument("--model", default=None, help="model directory (default: demo)")
     generate.add_argument("--prompt", default="Hello, my name is")
@@ -45,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     download = commands.add_parser(
         "download", help="download hf://ORG/NAME[@REVISION] into DIR (token from $HF_TOKEN)"
+    )
+    download.add_argument(
+        "--tokenizer-only",
+        action="store_true",
+        help="only the tokenizer, chat template and configs, no weights (for routers)",
     )
     download.add_argument("source", metavar="hf://ORG/NAME[@REVISION]")
     download.add_argument("directory", metavar="DIR")
@@ -69,6 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pagedllm.serve.supervisor import serve
 
         return serve(settings)
+    if args.command == "router":
+        router_settings = router_args(args, parser)
+        from pagedllm.router.server import main as run_router
+
+        return run_router(router_settings, _router_sources(router_settings))
     if args.command == "generate":
         return _generate(args, parser)
     if args.command == "demo-model":
@@ -80,6 +118,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _download(args, parser)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _router_sources(settings: RouterArgs) -> list[BackendSource]:
+    """Kubernetes discovery when asked for (the static --backends otherwise)."""
+    if settings.discover_service is None or settings.discover_namespace is None:
+        return []
+    # Imported only here: the kubernetes package is not needed for --backends.
+    from pagedllm.router.discovery import DiscoveryError, DiscoveryTarget, EndpointSliceDiscovery
+
+    target = DiscoveryTarget(settings.discover_namespace, settings.discover_service)
+    try:
+        return [EndpointSliceDiscovery(target).run]
+    except DiscoveryError as error:
+        print(f"pagedllm router: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -104,7 +157,10 @@ def _download(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from huggingface_hub import snapshot_download
 
     path = snapshot_download(
-        repo_id=match["repo"], revision=match["revision"], local_dir=args.directory
+        repo_id=match["repo"],
+        revision=match["revision"],
+        local_dir=args.directory,
+        allow_patterns=list(TOKENIZER_FILES) if args.tokenizer_only else None,
     )
     print(path)
     return 0

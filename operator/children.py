@@ -42,6 +42,20 @@ STARTUP_PROBE_PERIOD_SECONDS = 5
 STARTUP_TIMEOUT_SECONDS = 30 * 60
 GPU_TAINT = "nvidia.com/gpu"
 
+ROUTER_COMPONENT = "router"
+ROUTER_APP_NAME = "pagedllm-router"
+# Where routers find the demo model's tokenizer (written by an init container).
+DEMO_MODEL_SUBDIR = "demo"
+DEFAULT_ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}}
+# Routers only read which serving pods are ready, from their Service's EndpointSlices.
+ROUTER_RBAC_RULES = (
+    {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    },
+)
+
 
 @dataclass(frozen=True)
 class Owner:
@@ -87,15 +101,51 @@ def child_labels(owner_name: str) -> dict[str, str]:
     }
 
 
+def router_name(owner_name: str) -> str:
+    """The router Deployment, its PDB and its ServiceAccount, Role and RoleBinding."""
+    return f"{owner_name}-router"
+
+
+def serving_service_name(owner_name: str) -> str:
+    """The serving pods' own Service: what the routers discover their backends from."""
+    return f"{owner_name}-serving"
+
+
+def router_selector_labels(owner_name: str) -> dict[str, str]:
+    # A name of its own: the serving Deployment's (immutable) selector must not match routers.
+    return {LABEL_NAME: ROUTER_APP_NAME, LABEL_INSTANCE: owner_name}
+
+
+def selects_routers(service: Mapping[str, Any] | None, owner_name: str) -> bool:
+    """Whether this Service (the PagedLLM's own) already sends clients to the routers."""
+    selector = ((service or {}).get("spec") or {}).get("selector")
+    return selector == router_selector_labels(owner_name)
+
+
+def router_selector_string(owner_name: str) -> str:
+    labels = router_selector_labels(owner_name)
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
+def router_labels(owner_name: str) -> dict[str, str]:
+    return {
+        **router_selector_labels(owner_name),
+        LABEL_MANAGED_BY: OPERATOR_NAME,
+        LABEL_COMPONENT: ROUTER_COMPONENT,
+    }
+
+
 def service_url(owner: Owner, spec: PagedLLMSpec) -> str:
     return f"http://{owner.name}.{owner.namespace}.svc:{spec.service.port}"
 
 
-def _metadata(owner: Owner) -> dict[str, Any]:
+def _metadata(
+    owner: Owner, name: str | None = None, labels: dict[str, str] | None = None
+) -> dict[str, Any]:
     return {
-        "name": owner.name,
+        "name": name or owner.name,
         "namespace": owner.namespace,
-        "labels": child_labels(owner.name),
+        "labels": labels or child_labels(owner.name),
         "ownerReferences": [
             {
                 "apiVersion": API_VERSION,
@@ -174,6 +224,79 @@ def _writable_mounts() -> list[dict[str, Any]]:
     ]
 
 
+def _download_container(
+    spec: PagedLLMSpec, model_path: str, mount_path: str, *, tokenizer_only: bool = False
+) -> dict[str, Any]:
+    """The init container that fetches an hf:// model into the "model" volume."""
+    return {
+        "name": "download",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["pagedllm", "download"],
+        "args": [
+            *(["--tokenizer-only"] if tokenizer_only else []),
+            f"hf://{spec.model.source.path}",
+            model_path,
+        ],
+        "env": [*_writable_dirs_env(), *[dict(e) for e in spec.env]],
+        "volumeMounts": [{"name": "model", "mountPath": mount_path}, *_writable_mounts()],
+        "securityContext": _container_security_context(),
+    }
+
+
+def _model_volume(spec: PagedLLMSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    """The model's volumes and read-only mounts, and its directory in the container: an
+    image path as it is, a claim mounted, or an emptyDir that an init container fills (an
+    hf:// download, or the demo model written for routers)."""
+    source = spec.model.source
+    if source.kind is ModelSourceKind.IMAGE:
+        return [], [], source.path
+    mount = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+    path = f"{MODEL_DIR}/{source.path or DEMO_MODEL_SUBDIR}"
+    if source.kind is ModelSourceKind.PVC:
+        claim = {"claimName": source.claim, "readOnly": True}
+        return [{"name": "model", "persistentVolumeClaim": claim}], [mount], path
+    return [{"name": "model", "emptyDir": {}}], [mount], path
+
+
+def _api_key_env(spec: PagedLLMSpec) -> list[dict[str, Any]]:
+    if spec.api_key_secret is None:
+        return []
+    return [
+        {
+            "name": "PAGEDLLM_API_KEY",
+            "valueFrom": {
+                "secretKeyRef": {"name": spec.api_key_secret.name, "key": spec.api_key_secret.key}
+            },
+        }
+    ]
+
+
+def _pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _termination(spec: PagedLLMSpec) -> tuple[dict[str, Any], int]:
+    """The preStop pause (time for endpoints to drop the pod) and the grace period that
+    covers it and the drain that SIGTERM starts."""
+    lifecycle = {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}}
+    return lifecycle, PRE_STOP_SECONDS + spec.drain_timeout_seconds + 5
+
+
+def _scrape_annotations() -> dict[str, str]:
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(HTTP_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+
+
 def _tolerations(spec: PagedLLMSpec) -> list[dict[str, Any]]:
     tolerations = [dict(t) for t in spec.scheduling.tolerations]
     # GPU node pools are commonly tainted; a pod asking for GPUs is meant to land there.
@@ -192,36 +315,13 @@ def build_pod_template(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
     ]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, *_writable_mounts()]
     init_containers: list[dict[str, Any]] = []
-    model_path: str | None
-    if source.kind is ModelSourceKind.DEMO:
-        model_path = None
-    elif source.kind is ModelSourceKind.IMAGE:
-        model_path = source.path
-    elif source.kind is ModelSourceKind.PVC:
-        volumes.append(
-            {
-                "name": "model",
-                "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True},
-            }
-        )
-        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
-        model_path = f"{MODEL_DIR}/{source.path}"
-    else:
-        volumes.append({"name": "model", "emptyDir": {}})
-        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
-        model_path = f"{MODEL_DIR}/{source.path}"
-        init_containers.append(
-            {
-                "name": "download",
-                "image": spec.image,
-                "imagePullPolicy": spec.image_pull_policy,
-                "command": ["pagedllm", "download"],
-                "args": [f"hf://{source.path}", model_path],
-                "env": [*_writable_dirs_env(), *[dict(e) for e in spec.env]],
-                "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, *_writable_mounts()],
-                "securityContext": _container_security_context(),
-            }
-        )
+    model_path: str | None = None  # the node's built-in demo model
+    if source.kind is not ModelSourceKind.DEMO:
+        model_volumes, model_mounts, model_path = _model_volume(spec)
+        volumes += model_volumes
+        mounts += model_mounts
+        if source.kind is ModelSourceKind.HUGGING_FACE:
+            init_containers.append(_download_container(spec, model_path, MODEL_DIR))
 
     env = _writable_dirs_env()
     # The worker's compute threads: the CPUs the pod requests (rounded up), not every core of
@@ -238,21 +338,11 @@ def build_pod_template(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
             },
         }
     )
-    if spec.api_key_secret is not None:
-        env.append(
-            {
-                "name": "PAGEDLLM_API_KEY",
-                "valueFrom": {
-                    "secretKeyRef": {
-                        "name": spec.api_key_secret.name,
-                        "key": spec.api_key_secret.key,
-                    }
-                },
-            }
-        )
+    env += _api_key_env(spec)
     env += [dict(e) for e in spec.env]
 
     health = {"path": "/health", "port": "http"}
+    lifecycle, grace_seconds = _termination(spec)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,
@@ -270,7 +360,7 @@ def build_pod_template(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
             "periodSeconds": STARTUP_PROBE_PERIOD_SECONDS,
             "failureThreshold": STARTUP_TIMEOUT_SECONDS // STARTUP_PROBE_PERIOD_SECONDS,
         },
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
+        "lifecycle": lifecycle,
     }
     if spec.resources:
         container["resources"] = dict(spec.resources)
@@ -278,15 +368,9 @@ def build_pod_template(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _pod_security_context(),
         # SIGTERM makes the node drain for drainTimeoutSeconds after the preStop pause.
-        "terminationGracePeriodSeconds": PRE_STOP_SECONDS + spec.drain_timeout_seconds + 5,
+        "terminationGracePeriodSeconds": grace_seconds,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
     }
@@ -305,11 +389,7 @@ def build_pod_template(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
     return {
         "metadata": {
             "labels": child_labels(owner.name),
-            "annotations": {
-                "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(HTTP_PORT),
-                "prometheus.io/path": "/metrics",
-            },
+            "annotations": _scrape_annotations(),
         },
         "spec": pod_spec,
     }
@@ -342,14 +422,20 @@ def build_deployment(owner: Owner, spec: PagedLLMSpec, replicas: int) -> dict[st
     }
 
 
-def build_service(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
+def build_service(
+    owner: Owner, spec: PagedLLMSpec, routers_in_front: bool = True
+) -> dict[str, Any]:
+    """The Service clients use (status.url): the routers, or without them (or until one of
+    them is ready, see `routers_in_front`) the serving pods."""
+    in_front = spec.router.enabled and routers_in_front
+    selector = router_selector_labels(owner.name) if in_front else selector_labels(owner.name)
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(owner),
         "spec": {
             "type": spec.service.type,
-            "selector": selector_labels(owner.name),
+            "selector": selector,
             "ports": [
                 {"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}
             ],
@@ -357,19 +443,192 @@ def build_service(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
     }
 
 
-def build_disruption_budget(owner: Owner) -> dict[str, Any]:
+def build_serving_service(owner: Owner) -> dict[str, Any]:
+    """The serving pods' own Service, headless: the routers read its EndpointSlices and
+    connect to each pod directly, never through a cluster IP."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, serving_service_name(owner.name)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(owner.name),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_disruption_budget(owner: Owner, *, router: bool = False) -> dict[str, Any]:
+    selector = router_selector_labels(owner.name) if router else selector_labels(owner.name)
+    metadata = (
+        _metadata(owner, router_name(owner.name), router_labels(owner.name))
+        if router
+        else _metadata(owner)
+    )
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(owner),
+        "metadata": metadata,
         "spec": {
             # One pod at a time may be evicted (node drains, cluster-autoscaler scale-downs).
             "maxUnavailable": 1,
-            "selector": {"matchLabels": selector_labels(owner.name)},
+            "selector": {"matchLabels": selector},
             # A pod that never got ready must not block draining its node.
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
+
+
+def router_args(owner: Owner, spec: PagedLLMSpec, model_path: str) -> list[str]:
+    router = spec.router
+    return [
+        "--model",
+        model_path,
+        "--served-model-name",
+        spec.model.served_name,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(HTTP_PORT),
+        "--discover-namespace",
+        owner.namespace,
+        "--discover-service",
+        serving_service_name(owner.name),
+        "--policy",
+        router.policy.value,
+        "--load-bound",
+        str(router.load_bound),
+        "--max-held-requests",
+        str(router.max_held_requests),
+        # Streams through a stopping router may last as long as the node's own drain.
+        "--shutdown-timeout",
+        str(spec.drain_timeout_seconds),
+    ]
+
+
+def build_router_pod_template(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
+    """`pagedllm router` pods: the model's tokenizer and chat template without its weights
+    (the demo model written by an init container, an hf:// model's tokenizer files only, an
+    image path or a claim as the serving pods see it), credentials to watch EndpointSlices,
+    and the same restricted security and SIGTERM drain as the serving pods."""
+    source = spec.model.source
+    volumes: list[dict[str, Any]] = [
+        {"name": "cache", "emptyDir": {}},
+        {"name": "home", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    model_volumes, model_mounts, model_path = _model_volume(spec)
+    volumes += model_volumes
+    mounts = [*_writable_mounts(), *model_mounts]
+    init_containers: list[dict[str, Any]] = []
+    if source.kind is ModelSourceKind.DEMO:
+        init_containers.append(
+            {
+                "name": "demo-model",
+                "image": spec.image,
+                "imagePullPolicy": spec.image_pull_policy,
+                "command": ["pagedllm", "demo-model"],
+                "args": [model_path],
+                "env": _writable_dirs_env(),
+                "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, *_writable_mounts()],
+                "securityContext": _container_security_context(),
+            }
+        )
+    elif source.kind is ModelSourceKind.HUGGING_FACE:
+        init_containers.append(
+            _download_container(spec, model_path, MODEL_DIR, tokenizer_only=True)
+        )
+
+    health = {"path": "/health", "port": "http"}
+    lifecycle, grace_seconds = _termination(spec)
+    container: dict[str, Any] = {
+        "name": ROUTER_COMPONENT,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["pagedllm", "router"],
+        "args": router_args(owner, spec, model_path),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "env": [*_writable_dirs_env(), *_api_key_env(spec)],
+        "volumeMounts": mounts,
+        "securityContext": _container_security_context(),
+        "resources": dict(spec.router.resources or DEFAULT_ROUTER_RESOURCES),
+        # /health never depends on the serving pods; it answers 503 only while draining.
+        "readinessProbe": {"httpGet": health, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {"httpGet": health, "periodSeconds": 10, "failureThreshold": 3},
+        "lifecycle": lifecycle,
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": _pod_security_context(),
+        "serviceAccountName": router_name(owner.name),
+        # The one pod that talks to the API server: it watches its serving pods' endpoints.
+        "automountServiceAccountToken": True,
+        "terminationGracePeriodSeconds": grace_seconds,
+        "enableServiceLinks": False,
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    if spec.scheduling.priority_class_name:
+        pod_spec["priorityClassName"] = spec.scheduling.priority_class_name
+    return {
+        "metadata": {"labels": router_labels(owner.name), "annotations": _scrape_annotations()},
+        "spec": pod_spec,
+    }
+
+
+def build_router_deployment(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, router_name(owner.name), router_labels(owner.name)),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": router_selector_labels(owner.name)},
+            # Routers start in seconds: a new one is ready before an old one stops.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "revisionHistoryLimit": 3,
+            "template": build_router_pod_template(owner, spec),
+        },
+    }
+
+
+def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
+    """The routers' ServiceAccount, allowed to read EndpointSlices of this namespace only."""
+    name = router_name(owner.name)
+    labels = router_labels(owner.name)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(owner, name, labels)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _metadata(owner, name, labels),
+            "rules": [dict(rule) for rule in ROUTER_RBAC_RULES],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _metadata(owner, name, labels),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+        },
+    ]
+
+
+def router_children_refs(owner_name: str) -> tuple[ChildRef, ...]:
+    """Every child the router adds (what goes when spec.router.enabled turns false)."""
+    name = router_name(owner_name)
+    return (
+        ChildRef("apps/v1", "Deployment", name),
+        ChildRef("policy/v1", "PodDisruptionBudget", name),
+        ChildRef("v1", "Service", serving_service_name(owner_name)),
+        ChildRef("rbac.authorization.k8s.io/v1", "RoleBinding", name),
+        ChildRef("rbac.authorization.k8s.io/v1", "Role", name),
+        ChildRef("v1", "ServiceAccount", name),
+    )
 
 
 def build_horizontal_autoscaler(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
@@ -417,9 +676,18 @@ def build_service_monitor(owner: Owner) -> dict[str, Any]:
 
 
 def build_children(
-    owner: Owner, spec: PagedLLMSpec, replicas: int, service_monitors_available: bool
+    owner: Owner,
+    spec: PagedLLMSpec,
+    replicas: int,
+    service_monitors_available: bool,
+    routers_in_front: bool = True,
 ) -> Children:
-    wanted = [build_deployment(owner, spec, replicas), build_service(owner, spec)]
+    """`routers_in_front`: whether the Service may select the routers yet (with
+    spec.router.enabled); see reconcile."""
+    wanted = [
+        build_deployment(owner, spec, replicas),
+        build_service(owner, spec, routers_in_front),
+    ]
     unwanted = []
     pdb = ChildRef("policy/v1", "PodDisruptionBudget", owner.name)
     if replicas > 1:
@@ -433,4 +701,15 @@ def build_children(
         unwanted.append(hpa)
     if service_monitors_available:
         wanted.append(build_service_monitor(owner))
+    if spec.router.enabled:
+        # Permissions and the discovery target before the routers that need them.
+        wanted += [*build_router_rbac(owner), build_serving_service(owner)]
+        wanted.append(build_router_deployment(owner, spec))
+        router_pdb = ChildRef("policy/v1", "PodDisruptionBudget", router_name(owner.name))
+        if spec.router.replicas > 1:
+            wanted.append(build_disruption_budget(owner, router=True))
+        else:
+            unwanted.append(router_pdb)
+    else:
+        unwanted += router_children_refs(owner.name)
     return Children(wanted=tuple(wanted), unwanted=tuple(unwanted))

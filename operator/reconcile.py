@@ -4,6 +4,7 @@ builders, status and autoscaler)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -14,7 +15,10 @@ from pagedllm.operator.autoscaler import AutoscalerState, decide
 from pagedllm.operator.children import (
     Owner,
     build_children,
+    router_name,
+    router_selector_string,
     selector_string,
+    selects_routers,
     service_url,
 )
 from pagedllm.operator.config import OperatorConfig
@@ -30,7 +34,13 @@ from pagedllm.operator.spec import (
     effective_replicas,
     parse_spec,
 )
-from pagedllm.operator.status import DEGRADED, Observed, compute_status, newly_true
+from pagedllm.operator.status import (
+    DEGRADED,
+    Observed,
+    RouterObserved,
+    compute_status,
+    newly_true,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,17 +105,37 @@ def _owned_by(obj: Mapping[str, Any], owner: Owner) -> bool:
     )
 
 
+async def _routers_in_front(ctx: OperatorContext, owner: Owner, spec: PagedLLMSpec) -> bool:
+    """Whether the Service may select the routers: once one of them is ready, and from then
+    on. Switching earlier would leave clients without an endpoint while the routers start,
+    e.g. when an operator upgrade puts routers in front of a PagedLLM that already serves."""
+    if not spec.router.enabled:
+        return False
+    service = await ctx.kube.get("v1", "Service", owner.name, owner.namespace)
+    if selects_routers(service, owner.name):
+        return True
+    routers = await ctx.kube.get("apps/v1", "Deployment", router_name(owner.name), owner.namespace)
+    return ((routers or {}).get("status") or {}).get("readyReplicas", 0) > 0
+
+
 async def _apply_children(
     ctx: OperatorContext, owner: Owner, spec: PagedLLMSpec, replicas: int
 ) -> None:
-    children = build_children(owner, spec, replicas, await ctx.service_monitors_available())
+    children = build_children(
+        owner,
+        spec,
+        replicas,
+        await ctx.service_monitors_available(),
+        routers_in_front=await _routers_in_front(ctx, owner, spec),
+    )
     for manifest in children.wanted:
+        name = manifest["metadata"]["name"]
         existing = await ctx.kube.get(
-            manifest["apiVersion"], manifest["kind"], owner.name, owner.namespace
+            manifest["apiVersion"], manifest["kind"], name, owner.namespace
         )
         if existing is not None and not _owned_by(existing, owner):
             raise InvalidSpec(
-                f'{manifest["kind"]} "{owner.name}" already exists and belongs '
+                f'{manifest["kind"]} "{name}" already exists and belongs '
                 "to something else; rename the PagedLLM or remove it"
             )
         await ctx.kube.apply(manifest)
@@ -119,9 +149,19 @@ async def _pods(ctx: OperatorContext, owner: Owner) -> list[dict[str, Any]]:
     return await ctx.kube.list("v1", "Pod", owner.namespace, selector_string(owner.name))
 
 
-async def _observe(ctx: OperatorContext, owner: Owner) -> Observed:
+async def _observe(ctx: OperatorContext, owner: Owner, spec: PagedLLMSpec) -> Observed:
     deployment = await ctx.kube.get("apps/v1", "Deployment", owner.name, owner.namespace)
-    return Observed(deployment=deployment, pods=await _pods(ctx, owner))
+    observed = Observed(deployment=deployment, pods=await _pods(ctx, owner))
+    if not spec.router.enabled:
+        return observed
+    router = RouterObserved(
+        wanted=spec.router.replicas,
+        deployment=await ctx.kube.get(
+            "apps/v1", "Deployment", router_name(owner.name), owner.namespace
+        ),
+        pods=await ctx.kube.list("v1", "Pod", owner.namespace, router_selector_string(owner.name)),
+    )
+    return dataclasses.replace(observed, router=router)
 
 
 async def _write_status(
@@ -188,7 +228,7 @@ async def _reconcile(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
         )
         await _write_status(ctx, body, status)
         raise
-    observed = await _observe(ctx, owner)
+    observed = await _observe(ctx, owner, spec)
     status = compute_status(
         generation=generation,
         desired=replicas,

@@ -179,6 +179,28 @@ class SchedulingSpec:
     priority_class_name: str | None = None
 
 
+class RouterPolicy(str, Enum):
+    """How `pagedllm router` picks a serving pod (its --policy)."""
+
+    PREFIX = "prefix"  # the longest cached prefix, within the load bound
+    LEAST_LOAD = "least-load"
+    ROUND_ROBIN = "round-robin"
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """The router Deployment in front of the serving pods (spec.router)."""
+
+    enabled: bool = True
+    replicas: int = 2
+    policy: RouterPolicy = RouterPolicy.PREFIX
+    # No pod gets a request while its load is above this multiple of the mean.
+    load_bound: float = 1.25
+    # Requests held while no serving pod is ready; 0 answers 503 at once.
+    max_held_requests: int = 0
+    resources: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class SecretKeyRef:
     name: str
@@ -200,6 +222,7 @@ class PagedLLMSpec:
     api_key_secret: SecretKeyRef | None = None
     env: tuple[dict[str, Any], ...] = ()
     drain_timeout_seconds: int = 60
+    router: RouterSpec = field(default_factory=RouterSpec)
 
     @property
     def requests_gpus(self) -> bool:
@@ -220,10 +243,10 @@ def _pick(
     return value
 
 
-def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+def _section(raw: Mapping[str, Any], key: str, where: str = "") -> Mapping[str, Any]:
     value = raw.get(key) or {}
     if not isinstance(value, Mapping):
-        raise InvalidSpec(f"spec.{key} must be an object")
+        raise InvalidSpec(f"spec.{where}{key} must be an object")
     return value
 
 
@@ -294,6 +317,7 @@ def parse_spec(raw: Mapping[str, Any]) -> PagedLLMSpec:
         raise InvalidSpec("spec.replicas must not be negative")
 
     return PagedLLMSpec(
+        router=parse_router(_section(raw, "router")),
         model=model,
         image=_pick(raw, "image", DEFAULT_IMAGE, str, ""),
         image_pull_policy=_pick(raw, "imagePullPolicy", "IfNotPresent", str, ""),
@@ -322,6 +346,37 @@ def parse_spec(raw: Mapping[str, Any]) -> PagedLLMSpec:
         env=tuple(raw.get("env") or ()),
         drain_timeout_seconds=_pick(raw, "drainTimeoutSeconds", 60, int, ""),
     )
+
+
+def parse_router(raw: Mapping[str, Any]) -> RouterSpec:
+    defaults = RouterSpec()
+    try:
+        policy = RouterPolicy(raw.get("policy", defaults.policy.value))
+    except ValueError:
+        choices = ", ".join(p.value for p in RouterPolicy)
+        raise InvalidSpec(
+            f"spec.router.policy: {raw.get('policy')!r} is not one of {choices}"
+        ) from None
+    router = RouterSpec(
+        enabled=_pick(raw, "enabled", defaults.enabled, bool, "router."),
+        replicas=_pick(raw, "replicas", defaults.replicas, int, "router."),
+        policy=policy,
+        load_bound=_pick(raw, "loadBound", defaults.load_bound, float, "router."),
+        max_held_requests=_pick(raw, "maxHeldRequests", defaults.max_held_requests, int, "router."),
+        resources=dict(_section(raw, "resources", "router.")),
+    )
+    if router.replicas < 1:
+        raise InvalidSpec(
+            "spec.router.replicas must be at least 1 (set spec.router.enabled: false to "
+            "serve without routers)"
+        )
+    if not router.load_bound >= 1.0:
+        raise InvalidSpec(
+            "spec.router.loadBound must be at least 1.0 (a multiple of the pods' mean load)"
+        )
+    if router.max_held_requests < 0:
+        raise InvalidSpec("spec.router.maxHeldRequests must not be negative")
+    return router
 
 
 def effective_replicas(spec: PagedLLMSpec) -> int:

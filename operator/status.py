@@ -9,6 +9,7 @@ from typing import Any
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
+ROUTER = "Router"
 
 # Container waiting reasons that will not fix themselves.
 FAILING_WAIT_REASONS = (
@@ -75,11 +76,56 @@ def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[PodProblem]:
 
 
 @dataclass(frozen=True)
+class RouterObserved:
+    """What the cluster says about the router pods, and how many are wanted."""
+
+    wanted: int
+    deployment: Mapping[str, Any] | None
+    pods: Sequence[Mapping[str, Any]]
+
+    @property
+    def ready(self) -> int:
+        return ((self.deployment or {}).get("status") or {}).get("readyReplicas", 0)
+
+
+@dataclass(frozen=True)
 class Observed:
-    """What the cluster says about the serving pods."""
+    """What the cluster says about the serving pods (and the routers, when enabled)."""
 
     deployment: Mapping[str, Any] | None
     pods: Sequence[Mapping[str, Any]]
+    router: RouterObserved | None = None
+
+
+def router_condition(router: RouterObserved | None) -> Condition:
+    if router is None:
+        return Condition(
+            ROUTER,
+            False,
+            "Disabled",
+            "spec.router.enabled is false: the Service spreads requests over the serving pods",
+        )
+    message = f"{router.ready}/{router.wanted} routers ready"
+    if router.ready >= router.wanted:
+        return Condition(ROUTER, True, "RoutersReady", message)
+    return Condition(ROUTER, False, "RoutersNotReady", message)
+
+
+def _ready_condition(desired: int, ready: int, router: RouterObserved | None) -> Condition:
+    if desired == 0:
+        return Condition(
+            READY, False, "ScaledToZero", "no replicas; scale up through /scale to serve"
+        )
+    if ready < desired:
+        return Condition(READY, False, "ReplicasNotReady", f"{ready}/{desired} replicas ready")
+    if router is not None and router.ready == 0:
+        return Condition(
+            READY,
+            False,
+            "RoutersNotReady",
+            f"{ready}/{desired} replicas ready, but no router is: the Service has no endpoints",
+        )
+    return Condition(READY, True, "AllReplicasReady", f"{ready}/{desired} replicas ready")
 
 
 def conditions_for(desired: int, observed: Observed, spec_error: str | None) -> list[Condition]:
@@ -88,13 +134,15 @@ def conditions_for(desired: int, observed: Observed, spec_error: str | None) -> 
             Condition(READY, False, "InvalidSpec", spec_error),
             Condition(PROGRESSING, False, "InvalidSpec", spec_error),
             Condition(DEGRADED, True, "InvalidSpec", spec_error),
+            Condition(ROUTER, False, "InvalidSpec", spec_error),
         ]
     deployment = observed.deployment or {}
     counts = deployment.get("status") or {}
     replicas = counts.get("replicas", 0)
     ready = counts.get("readyReplicas", 0)
     updated = counts.get("updatedReplicas", 0)
-    problems = pod_problems(observed.pods)
+    router = observed.router
+    problems = pod_problems([*observed.pods, *(router.pods if router is not None else ())])
     unschedulable = [p for p in problems if p.reason == UNSCHEDULABLE]
     failing = [p for p in problems if p.reason != UNSCHEDULABLE]
     stuck = next(
@@ -122,18 +170,7 @@ def conditions_for(desired: int, observed: Observed, spec_error: str | None) -> 
     else:
         degraded = Condition(DEGRADED, False, "AsExpected", "no failing pods")
 
-    if desired == 0:
-        ready_condition = Condition(
-            READY, False, "ScaledToZero", "no replicas; scale up through /scale to serve"
-        )
-    elif ready >= desired:
-        ready_condition = Condition(
-            READY, True, "AllReplicasReady", f"{ready}/{desired} replicas ready"
-        )
-    else:
-        ready_condition = Condition(
-            READY, False, "ReplicasNotReady", f"{ready}/{desired} replicas ready"
-        )
+    ready_condition = _ready_condition(desired, ready, router)
 
     if unschedulable:
         progressing = Condition(
@@ -172,7 +209,7 @@ def conditions_for(desired: int, observed: Observed, spec_error: str | None) -> 
         progressing = Condition(
             PROGRESSING, False, "Complete", "all replicas run the current template and are ready"
         )
-    return [ready_condition, progressing, degraded]
+    return [ready_condition, progressing, degraded, router_condition(router)]
 
 
 def render_conditions(

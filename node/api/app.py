@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.api.engine_client import NodeState
+from pagedllm.api.errors import ApiError, error_response, unavailable
 from pagedllm.api.event_stream import (
     EventStreamResponse,
     JsonLinesResponse,
@@ -36,9 +37,10 @@ from pagedllm.api.protocol import (
     TokenizeCompletionRequest,
     error_body,
 )
-from pagedllm.api.serving import ApiError, GenerationRun, ServingContext, from_generation_error
+from pagedllm.api.serving import GenerationRun, ServingContext, from_generation_error
 from pagedllm.api.serving_chat import prepare_chat
 from pagedllm.api.serving_completions import prepare_completion
+from pagedllm.api.tokenizing import TokenizingContext
 from pagedllm.serve import metrics
 
 log = logging.getLogger(__name__)
@@ -58,10 +60,6 @@ ERROR_KINDS = {
 }
 
 
-def _error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
 class ApiKeyMiddleware:
     """Checks ``Authorization: Bearer <key>`` before the body is read."""
 
@@ -73,7 +71,7 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                response = _error_response(
+                response = error_response(
                     ApiError(
                         401,
                         "missing or wrong API key: send Authorization: Bearer <key>",
@@ -101,7 +99,7 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            await _error_response(self._too_large())(scope, receive, send)
+            await error_response(self._too_large())(scope, receive, send)
             return
         received = 0
 
@@ -133,24 +131,32 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 
 def build_app(ctx: ServingContext, api_key: str | None) -> FastAPI:
     app = FastAPI(title="PagedLLM", version=__version__)
-    app.add_middleware(BodyLimitMiddleware, limit=MAX_BODY_BYTES)
-    if api_key:  # added last, so it runs first: no body is read for a caller without the key
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    _add_error_handlers(app)
+    add_guards(app, api_key)
+    add_error_handlers(app)
     _add_probes(app, ctx)
     _add_openai_routes(app, ctx)
+    add_tokenize_routes(app, ctx)
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def add_guards(app: FastAPI, api_key: str | None) -> None:
+    """The body size limit, and the API key when there is one."""
+    app.add_middleware(BodyLimitMiddleware, limit=MAX_BODY_BYTES)
+    if api_key:  # added last, so it runs first: no body is read for a caller without the key
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape, whatever raised it."""
+
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
-        return _error_response(error)
+        return error_response(error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(error)
-        return _error_response(ApiError(400, message, param=param))
+        return error_response(ApiError(400, message, param=param))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
@@ -180,34 +186,43 @@ def _add_probes(app: FastAPI, ctx: ServingContext) -> None:
             headers={"Retry-After": "1"},
         )
 
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
+    add_version_route(app)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def add_version_route(app: FastAPI) -> None:
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+
+def model_list(ctx: TokenizingContext) -> dict[str, Any]:
+    """The answer of ``GET /v1/models``."""
+    created = int(time.time())
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pagedllm",
+                "root": ctx.model_dir,
+                "parent": None,
+                "max_model_len": ctx.max_model_len,
+            }
+            for name in ctx.model_names
+        ],
+    }
+
+
 def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        created = int(time.time())
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "pagedllm",
-                    "root": ctx.model_dir,
-                    "parent": None,
-                    "max_model_len": ctx.max_model_len,
-                }
-                for name in ctx.model_names
-            ],
-        }
+        return model_list(ctx)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -223,17 +238,15 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         ctx.check_admitting()
         feed = ctx.client.kv_events
         if not feed.ready:  # the scheduler's layout is on its way
-            raise ApiError(
-                503,
-                "the server is starting; retry the request",
-                "service_unavailable_error",
-                "starting",
-                headers={"Retry-After": "1"},
-            )
+            raise unavailable("the server is starting; retry the request", "starting")
         snapshot, subscriber = feed.subscribe()
         return JsonLinesResponse(
             feed.stream(snapshot, subscriber), lambda: feed.unsubscribe(subscriber)
         )
+
+
+def add_tokenize_routes(app: FastAPI, ctx: TokenizingContext) -> None:
+    """``/tokenize`` and ``/detokenize``: the tokenizer alone, no engine."""
 
     # Any length is tokenized here (no bound), off the event loop, and so is the answer's JSON:
     # a long prompt's token list takes a while to serialize.
@@ -242,7 +255,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         ctx.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             text = await ctx.render_chat(body.messages, body.add_generation_prompt)
-            tokens = await ctx.encode(text, add_special_tokens=False)
+            tokens = await ctx.chat_tokens(text)
         else:
             tokens = await ctx.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         head = {"count": len(tokens), "max_model_len": ctx.max_model_len}
@@ -283,7 +296,7 @@ async def _generate(run: GenerationRun, stream: bool, request: Request) -> Respo
             return Response(status_code=499)  # the client left; nobody reads this
         return JSONResponse(run.response())
     except GenerationError as error:
-        return _error_response(from_generation_error(error))
+        return error_response(from_generation_error(error))
     finally:
         if not handed_over:
             generation.close()

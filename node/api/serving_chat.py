@@ -120,7 +120,7 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> Chat
     max_tokens = body.max_completion_tokens or body.max_tokens
     text = await ctx.render_chat(body.messages, body.add_generation_prompt)
     ctx.check_prompt_bytes(text)
-    prompt = TokenizedPrompt(text, await ctx.encode(text, add_special_tokens=False))
+    prompt = TokenizedPrompt(text, await ctx.chat_tokens(text))
     check_lengths(ctx, [prompt], max_tokens)
     top = body.top_logprobs
     if top is not None and not body.logprobs:

@@ -18,18 +18,14 @@ from pagedllm.api.serving import (
     random_id,
     sampling_params,
 )
+from pagedllm.api.tokenizing import prompt_items
 from pagedllm.output.processor import TextDelta
 from pagedllm.outputs import CompletionOutput
 
 
 async def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> list[TokenizedPrompt]:
     """The prompts, tokenized off the event loop once their number and sizes are known to fit."""
-    raw = body.prompt
-    items: list[str | list[int]]
-    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-        items = [raw]  # type: ignore[list-item]
-    else:
-        items = list(raw)  # type: ignore[arg-type]
+    items = prompt_items(body)
     if not items:
         raise ApiError(400, "prompt must not be empty", param="prompt")
     ctx.check_prompt_count(len(items))

@@ -58,6 +58,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = _integer(text, "an integer >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def sample_count(text: str) -> int:
     value = positive_int(text)
     if value > MAX_N_LIMIT:

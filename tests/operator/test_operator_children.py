@@ -69,8 +69,10 @@ SPECS: dict[str, dict[str, Any]] = {
 }
 
 
-def children_of(raw: dict[str, Any]) -> tuple[PagedLLMSpec, list[dict[str, Any]]]:
-    spec = parse_spec(raw)
+def children_of(
+    raw: dict[str, Any], *, router: bool = True
+) -> tuple[PagedLLMSpec, list[dict[str, Any]]]:
+    spec = parse_spec({**raw, "router": {"enabled": router}})
     built = build_children(OWNER, spec, effective_replicas(spec), service_monitors_available=False)
     return spec, list(built.wanted)
 
@@ -86,8 +88,11 @@ def test_pure_and_deterministic() -> None:
     assert children_of(SPECS["pvc"]) == children_of(SPECS["pvc"])
 
 
-def test_which_children_exist() -> None:
-    kinds = {name: sorted(c["kind"] for c in children_of(raw)[1]) for name, raw in SPECS.items()}
+def test_which_children_exist_without_the_router() -> None:
+    kinds = {
+        name: sorted(c["kind"] for c in children_of(raw, router=False)[1])
+        for name, raw in SPECS.items()
+    }
     assert kinds["demo"] == ["Deployment", "Service"]
     assert kinds["image-path"] == ["Deployment", "PodDisruptionBudget", "Service"]
     assert kinds["hf-gpu-hpa"] == [
@@ -96,13 +101,22 @@ def test_which_children_exist() -> None:
         "PodDisruptionBudget",
         "Service",
     ]
-    spec = parse_spec(SPECS["demo"])
+    spec = parse_spec({**SPECS["demo"], "router": {"enabled": False}})
     with_monitor = build_children(OWNER, spec, 1, service_monitors_available=True)
     assert [c["kind"] for c in with_monitor.wanted][-1] == "ServiceMonitor"
+    # What the router would add is taken away.
     assert {r.kind for r in with_monitor.unwanted} == {
         "PodDisruptionBudget",
         "HorizontalPodAutoscaler",
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
     }
+    assert {
+        (r.kind, r.name) for r in with_monitor.unwanted if r.kind in ("Deployment", "Service")
+    } == {("Deployment", "llama-router"), ("Service", "llama-serving")}
 
 
 def test_serve_flags_follow_the_engine_spec() -> None:

@@ -65,7 +65,16 @@ def test_operator_defaults_are_the_schema_defaults() -> None:
     )
     defaulted = crd_validation.apply_defaults(SCHEMA, bare)
     assert defaulted["spec"]["engine"]["blockSize"] == 16
+    assert defaulted["spec"]["router"] == {
+        "enabled": True,
+        "replicas": 2,
+        "policy": "prefix",
+        "loadBound": 1.25,
+        "maxHeldRequests": 0,
+    }
     assert parse_spec(defaulted["spec"]) == parse_spec(bare["spec"])
+    off = crd_validation.apply_defaults(SCHEMA, resource(router={"enabled": False}))
+    assert parse_spec(off["spec"]) == parse_spec(resource(router={"enabled": False})["spec"])
 
 
 @pytest.mark.parametrize(
@@ -98,6 +107,12 @@ def test_operator_defaults_are_the_schema_defaults() -> None:
         ({"engine": {"blockSize": 12}}, "12 is not one of"),
         ({"replicas": -1}, "-1 is less than the minimum of 0"),
         ({"resources": {"limits": {"memory": "lots"}}}, "does not match"),
+        ({"router": {"policy": "random"}}, "'random' is not one of"),
+        ({"router": {"replicas": 0}}, "0 is less than the minimum of 1"),
+        ({"router": {"loadBound": 0.5}}, "0.5 is less than the minimum of 1"),
+        ({"router": {"maxHeldRequests": -1}}, "-1 is less than the minimum of 0"),
+        ({"router": {"enabled": "no"}}, "'no' is not of type 'boolean'"),
+        ({"router": {"resources": {"requests": {"cpu": "fast"}}}}, "does not match"),
     ],
 )
 def test_invalid_specs_are_rejected(spec: dict[str, Any], message: str) -> None:

@@ -6,7 +6,13 @@ from typing import Any
 
 from pagedllm.operator.autoscaler import AutoscalerState, decide, parse_prometheus_value
 from pagedllm.operator.spec import AutoscalingSpec, Metric
-from pagedllm.operator.status import Observed, compute_status, conditions_for, pod_problems
+from pagedllm.operator.status import (
+    Observed,
+    RouterObserved,
+    compute_status,
+    conditions_for,
+    pod_problems,
+)
 
 SCALING = AutoscalingSpec(
     min_replicas=1,
@@ -109,6 +115,7 @@ def test_conditions_through_a_rollout() -> None:
         "Ready": "False/ReplicasNotReady",
         "Progressing": "True/ScalingUp",
         "Degraded": "False/AsExpected",
+        "Router": "False/Disabled",
     }
     assert reasons(2, Observed(deployment(3, 2, 1), []))["Progressing"] == "True/RollingUpdate"
     assert reasons(2, Observed(deployment(3, 2, 1), []))["Ready"] == "True/AllReplicasReady"
@@ -195,3 +202,35 @@ def test_transition_times_move_only_with_status() -> None:
     ]
     assert ready_times == ["T1", "T1", "T3"]
     assert third["observedGeneration"] == 3
+
+
+def test_router_condition_and_readiness() -> None:
+    def routers(ready: int, wanted: int = 2, pods: list[Any] | None = None) -> RouterObserved:
+        return RouterObserved(wanted, deployment(wanted, ready, wanted), pods or [])
+
+    serving = deployment(2, 2, 2)
+    assert reasons(2, Observed(serving, [], routers(2)))["Router"] == "True/RoutersReady"
+    partly = reasons(2, Observed(serving, [], routers(1)))
+    # One router is enough to serve: Ready, but the Router condition says what is missing.
+    assert (
+        partly["Router"] == "False/RoutersNotReady" and partly["Ready"] == "True/AllReplicasReady"
+    )
+    none = reasons(2, Observed(serving, [], routers(0)))
+    assert none["Ready"] == "False/RoutersNotReady"
+    (ready,) = [
+        c for c in conditions_for(2, Observed(serving, [], routers(0)), None) if c.type == "Ready"
+    ]
+    assert "no router is" in ready.message
+    assert reasons(2, Observed(None, [], routers(0)))["Ready"] == "False/ReplicasNotReady"
+    assert reasons(1, Observed(None, []), "bad")["Router"] == "False/InvalidSpec"
+    crashing = {
+        "metadata": {"name": "demo-router-x"},
+        "status": {
+            "containerStatuses": [
+                {"name": "router", "state": {"waiting": {"reason": "CrashLoopBackOff"}}}
+            ]
+        },
+    }
+    degraded = conditions_for(2, Observed(serving, [], routers(1, pods=[crashing])), None)
+    (condition,) = [c for c in degraded if c.type == "Degraded"]
+    assert condition.status and "demo-router-x" in condition.message

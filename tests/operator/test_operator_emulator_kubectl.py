@@ -54,6 +54,38 @@ def test_explain_prints_the_fields_of_the_crd_schema(kubectl: Kubectl, crd: dict
     assert re.findall(r"^   (\w+)\t", v2, flags=re.MULTILINE) == sorted(spec["properties"])
 
 
+def test_router_fields_are_explained_and_checked(kubectl: Kubectl, crd: dict) -> None:
+    out = kubectl("explain", "pagedllm.spec.router").stdout
+    assert re.findall(r"^  (\w+)\t", out, flags=re.MULTILINE) == [
+        "enabled",
+        "loadBound",
+        "maxHeldRequests",
+        "policy",
+        "replicas",
+        "resources",
+    ]
+    assert "enabled false" in out
+    bad = {
+        "apiVersion": "pagedllm.io/v1alpha1",
+        "kind": "PagedLLM",
+        "metadata": {"name": "bad-router"},
+        "spec": {"model": {"servedName": "x"}, "router": {"policy": "random", "replicas": 0}},
+    }
+    rejected = kubectl("apply", "-f", "-", stdin=yaml.safe_dump(bad), check=False)
+    assert rejected.returncode != 0
+    assert "spec.router.policy" in rejected.stderr and "spec.router.replicas" in rejected.stderr
+    good = {**bad, "spec": {"model": {"servedName": "x"}}}
+    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(good))
+    router = kubectl("get", "pllm", "bad-router", "-o", "jsonpath={.spec.router}").stdout
+    assert yaml.safe_load(router) == {
+        "enabled": True,
+        "replicas": 2,
+        "policy": "prefix",
+        "loadBound": 1.25,
+        "maxHeldRequests": 0,
+    }
+
+
 def test_get_deployments_shows_readiness_from_the_status(
     kubectl: Kubectl, kube: Kube, namespace: str
 ) -> None:

@@ -33,20 +33,23 @@ def test_apply_get_scale_wait_delete(kubectl: Kubectl, kube: Kube, namespace: st
         what="the Deployment to follow kubectl scale",
     )
 
-    # What the Deployment controller would report once the pods pass readiness.
-    live = kube.get(deployment)
-    kube.merge(
-        deployment + "/status",
-        {
-            "status": {
-                "observedGeneration": live["metadata"]["generation"],
-                "replicas": 3,
-                "updatedReplicas": 3,
-                "readyReplicas": 3,
-                "availableReplicas": 3,
-            }
-        },
-    )
+    # What the Deployment controller would report once the pods (and the routers in front of
+    # them) pass readiness.
+    for path in (deployment, f"{deployment}-router"):
+        live = kube.get(path)
+        replicas = live["spec"]["replicas"]
+        kube.merge(
+            path + "/status",
+            {
+                "status": {
+                    "observedGeneration": live["metadata"]["generation"],
+                    "replicas": replicas,
+                    "updatedReplicas": replicas,
+                    "readyReplicas": replicas,
+                    "availableReplicas": replicas,
+                }
+            },
+        )
     kubectl("wait", "--for=condition=Ready", "pllm/demo", "--timeout=20s")
 
     kubectl("patch", "pllm", "demo", "--type=merge", "-p", '{"spec":{"engine":{"maxNumSeqs":8}}}')

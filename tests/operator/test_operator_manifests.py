@@ -10,6 +10,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from pagedllm.operator.children import (
+    ROUTER_RBAC_RULES,
+    Owner,
+    build_children,
+    build_router_rbac,
+)
+from pagedllm.operator.spec import parse_spec
 from tests.operator.operator_harness import REPO
 
 # Every call the operator and kopf make, as (apiGroup, resource, verb).
@@ -30,6 +37,37 @@ NEEDED = {("pagedllm.io", "pagedllms", verb) for verb in ("get", "list", "watch"
     ("", "persistentvolumeclaims", "get"),
     ("", "events", "create"),
 }
+
+OWNER = Owner(name="llama", namespace="models", uid="0b3a2c1e-0000-4000-8000-000000000001")
+
+
+def _resource(api_version: str, kind: str) -> tuple[str, str]:
+    group = api_version.rpartition("/")[0]
+    plural = {"PodDisruptionBudget": "poddisruptionbudgets"}.get(kind, kind.lower() + "s")
+    return group, plural
+
+
+def children_calls() -> set[tuple[str, str, str]]:
+    """The calls reconcile makes on children: get and apply (create, patch) of what any spec
+    wants, get and delete of what it no longer wants."""
+    calls = set()
+    for enabled in (True, False):
+        spec = parse_spec(
+            {
+                "model": {"servedName": "x"},
+                "replicas": 2,
+                "autoscaling": None,
+                "router": {"enabled": enabled},
+            }
+        )
+        children = build_children(OWNER, spec, 2, service_monitors_available=False)
+        for manifest in children.wanted:
+            group, plural = _resource(manifest["apiVersion"], manifest["kind"])
+            calls |= {(group, plural, verb) for verb in ("get", "create", "patch")}
+        for ref in children.unwanted:
+            group, plural = _resource(ref.api_version, ref.kind)
+            calls |= {(group, plural, verb) for verb in ("get", "delete")}
+    return calls
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +120,30 @@ def test_rbac_has_no_wildcards_and_covers_every_call(rendered: list[dict[str, An
             (g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
         }
     assert NEEDED - granted == set()
+    assert children_calls() - granted == set()
+    # Kubernetes lets the operator create the routers' Role only with what it grants.
+    router_grants = {
+        (g, r, v)
+        for rule in ROUTER_RBAC_RULES
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    assert router_grants - granted == set()
     assert not any(r == "secrets" for _, r, _ in granted)
+
+
+def test_routers_may_only_read_endpointslices() -> None:
+    spec = parse_spec({"model": {"servedName": "x"}})
+    role = next(m for m in build_router_rbac(OWNER) if m["kind"] == "Role")
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    assert "ClusterRole" not in {m["kind"] for m in build_children(OWNER, spec, 1, False).wanted}
 
 
 def test_operator_deployment(rendered: list[dict[str, Any]]) -> None:

@@ -69,6 +69,12 @@ def mark_deployment_ready(kube: Kube, namespace: str, name: str, ready: int) -> 
     )
 
 
+def mark_routers_ready(kube: Kube, namespace: str, name: str) -> None:
+    """The router Deployment's pods all ready (the Service has endpoints)."""
+    eventually(lambda: kube.get(deployment_path(namespace, f"{name}-router")), what="routers")
+    mark_deployment_ready(kube, namespace, f"{name}-router", ready=2)
+
+
 def test_create_builds_owned_children_with_the_expected_pod(kube: Kube, namespace: str) -> None:
     kube.create(
         f"/api/v1/namespaces/{namespace}/secrets",
@@ -84,6 +90,8 @@ def test_create_builds_owned_children_with_the_expected_pod(kube: Kube, namespac
                 "resources": {"limits": {"nvidia.com/gpu": 1}},
                 "engine": {"maxModelLen": 4096, "kvCacheMemory": "2Gi"},
                 "apiKeySecretRef": {"name": "llm-key"},
+                # Without routers the Service selects the serving pods themselves.
+                "router": {"enabled": False},
             },
         ),
     )
@@ -205,6 +213,7 @@ def test_readiness_flows_from_deployment_to_the_ready_condition(kube: Kube, name
         ),
         what="1/2 ready",
     )
+    mark_routers_ready(kube, namespace, "demo")
     mark_deployment_ready(kube, namespace, "demo", ready=2)
     ready = eventually(
         lambda: (
@@ -276,6 +285,7 @@ def test_bad_spec_degrades_only_that_resource_and_recovers(kube: Kube, namespace
         what="the healthy resource to be served regardless",
     )
     mark_deployment_ready(kube, namespace, "healthy", ready=1)
+    mark_routers_ready(kube, namespace, "healthy")
     eventually(
         lambda: (
             condition(kube.get(pllm_path(namespace, "healthy")), "Ready").get("status") == "True"
@@ -439,10 +449,12 @@ def test_restart_duplicates_nothing(
     kube.create(
         pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"}, "replicas": 2})
     )
+    eventually(lambda: kube.get(deployment_path(namespace, "demo-router")), what="routers")
     before = {
         "deployment": eventually(lambda: kube.get(deployment_path(namespace, "demo"))),
         "service": eventually(lambda: kube.get(service_path(namespace, "demo"))),
         "pdb": eventually(lambda: kube.get(pdb_path(namespace, "demo"))),
+        "routers": kube.get(deployment_path(namespace, "demo-router")),
     }
     assert operator_process.stop() == 0
 
@@ -461,9 +473,9 @@ def test_restart_duplicates_nothing(
         )
         time.sleep(1.5)  # a few resync periods
         deployments = kube.list(deployment_path(namespace))
-        assert [d["metadata"]["uid"] for d in deployments] == [
-            before["deployment"]["metadata"]["uid"]
-        ]
+        assert sorted(d["metadata"]["uid"] for d in deployments) == sorted(
+            [before["deployment"]["metadata"]["uid"], before["routers"]["metadata"]["uid"]]
+        )
         assert (
             kube.get(service_path(namespace, "demo"))["metadata"]["uid"]
             == before["service"]["metadata"]["uid"]

@@ -107,35 +107,44 @@ class Server:
 
 
 def start_server(
-    tmp_dir: Path, *args: str, api_key: str | None = None, env: dict[str, str] | None = None
+    tmp_dir: Path,
+    *args: str,
+    api_key: str | None = None,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> Server:
     """`pagedllm serve` on a free port with a small KV cache, once /health answers 200."""
+    return start_command(
+        tmp_dir, "serve", "--kv-cache-memory", "32MiB", *args, api_key=api_key, env=env, port=port
+    )
+
+
+def start_command(
+    tmp_dir: Path,
+    command: str,
+    *args: str,
+    api_key: str | None = None,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+) -> Server:
+    """`pagedllm COMMAND` (serve, router) on ``port`` (default: a free one), once /health
+    answers 200."""
     tmp_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    log_path = tmp_dir / "serve.log"
+    port = port or free_port()
+    log_path = tmp_dir / f"{command}.log"
     full_env = {**os.environ, "TMPDIR": str(tmp_dir), **(env or {})}
-    command = [
-        PAGEDLLM,
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--kv-cache-memory",
-        "32MiB",
-        *args,
-    ]
+    argv = [PAGEDLLM, command, "--host", "127.0.0.1", "--port", str(port), *args]
     if api_key is not None:
-        command += ["--api-key", api_key]
+        argv += ["--api-key", api_key]
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            argv, stdout=log_file, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
         )
     server = Server(process, port, log_path, tmp_dir, api_key)
     deadline = time.monotonic() + START_TIMEOUT_S
     while server.health() != 200:
         if process.poll() is not None or time.monotonic() > deadline:
             server.stop()
-            raise AssertionError(f"pagedllm serve did not become ready:\n{server.log()}")
+            raise AssertionError(f"pagedllm {command} did not become ready:\n{server.log()}")
         time.sleep(0.2)
     return server

@@ -1,0 +1,596 @@
+"""Fleet: three nodes behind `pagedllm router`, prefix-aware routing against random spreading
+(what a Kubernetes Service does) and round robin, and the router's own cost.
+
+(a) Shared prefixes. Three nodes of the benchmark model, each pinned to its share of the cores
+    and with a KV cache that holds about 3 of the 8 system prompts (1,024 tokens each); requests
+    are a system prompt and a 64-token question, in random order, 32 output tokens each, sent
+    by a closed loop of 12 clients through the router. The router runs each policy in turn
+    (``random`` is the router's own ``--policy random``, used only for comparisons: a uniform
+    choice per request, as a Service's kube-proxy makes). Each policy gets its own 8 system
+    prompts, so no run finds another's blocks. The reference is one node alone serving the same
+    requests with the whole fleet's KV cache: the hit rate a perfectly shared cache reaches.
+    Hit rates come from the nodes' ``vllm:prefix_cache_hits`` / ``queries`` counters.
+(b) Balance: the same fleet and policy ``prefix`` on a uniform workload (no shared prefix):
+    the busiest node's share of the requests against the mean.
+(c) The router's cost: one node called directly and through the router, at concurrency 1 and
+    32 (short prompts, 32 tokens out), three interleaved runs, medians: added time to first
+    token at p50 and lost throughput.
+
+    python bench/fleet.py [--requests 240] [--warmup 24] [--parts a,b,c]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import common
+
+TARGET_HIT_RATE_SHARE = 0.90
+TARGET_TTFT_GAIN = 2.0
+TARGET_BUSIEST_SHARE = 1.3
+TARGET_ADDED_TTFT_MS = 2.0
+TARGET_THROUGHPUT_LOSS = 0.05
+PAGEDLLM = str(Path(sys.executable).with_name("pagedllm"))
+START_TIMEOUT_S = 600
+
+
+# ----- processes -----------------------------------------------------------------------------
+
+
+@dataclass
+class Process:
+    name: str
+    port: int
+    popen: subprocess.Popen
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metrics(self) -> dict[str, float]:
+        """Sums of /metrics samples by name (labels summed over)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        sums: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+        return sums
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(
+    name: str, argv: list[str], workdir: Path, cores: set[int] | None, threads: int
+) -> Process:
+    port = free_port()
+    log = workdir / f"{name}.log"
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+
+    def pin() -> None:
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    with log.open("w") as out:
+        popen = subprocess.Popen(
+            [PAGEDLLM, *argv, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+            env=env,
+            cwd=workdir,  # outside the repository: its operator/ would shadow the stdlib's
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=pin,
+        )
+    return Process(name, port, popen, log)
+
+
+def wait_healthy(process: Process) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if process.popen.poll() is not None:
+            raise RuntimeError(f"{process.name} exited; see {process.log}")
+        try:
+            with urllib.request.urlopen(f"{process.url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{process.name} not ready after {START_TIMEOUT_S} s")
+        time.sleep(0.5)
+
+
+def start_nodes(
+    args: argparse.Namespace, model: Path, count: int, kv_tokens: int, workdir: Path, tag: str
+) -> list[Process]:
+    cores = sorted(os.sched_getaffinity(0))
+    threads = max(1, len(cores) // count)
+    kv_bytes = kv_tokens * common.kv_bytes_per_token(model)
+    nodes = []
+    for i in range(count):
+        # Node i gets its own slice of the cores (wrapping round when there are fewer cores).
+        share = {cores[(i * threads + k) % len(cores)] for k in range(threads)}
+        argv = [
+            "serve",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "bench",
+            "--kv-cache-memory",
+            str(kv_bytes),
+            "--max-model-len",
+            str(args.system_len + args.question_len + args.output_len + 64),
+        ]
+        nodes.append(launch(f"{tag}-node{i}", argv, workdir, share, threads))
+    for node in nodes:
+        wait_healthy(node)
+    return nodes
+
+
+def start_router(model: Path, nodes: list[Process], policy: str, workdir: Path) -> Process:
+    argv = [
+        "router",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "bench",
+        "--backends",
+        ",".join(n.url for n in nodes),
+        "--policy",
+        policy,
+    ]
+    router = launch(f"router-{policy}", argv, workdir, None, 1)
+    wait_healthy(router)
+    deadline = time.monotonic() + 120
+    while router.metrics().get("pagedllm:router_backend_ready", 0) < len(nodes):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the router never saw every node's feed; see {router.log}")
+        time.sleep(0.2)
+    return router
+
+
+# ----- workload and load generator -----------------------------------------------------------
+
+
+def random_texts(tokenizer: Any, count: int, length: int, rng: random.Random) -> list[str]:
+    vocab = tokenizer.vocab_size
+    return [
+        tokenizer.decode([rng.randrange(common.FIRST_PLAIN_TOKEN, vocab) for _ in range(length)])
+        for _ in range(count)
+    ]
+
+
+def shared_prefix_requests(
+    tokenizer: Any, args: argparse.Namespace, seed: int, total: int
+) -> list[tuple[int, str]]:
+    """(system prompt index, prompt text): a random system prompt and question each."""
+    rng = random.Random(seed)
+    systems = random_texts(tokenizer, args.prompts, args.system_len, rng)
+    questions = random_texts(tokenizer, total, args.question_len, rng)
+    picks = [rng.randrange(args.prompts) for _ in range(total)]
+    return [(p, systems[p] + questions[i]) for i, p in enumerate(picks)]
+
+
+@dataclass
+class LoadResult:
+    ttft_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    errors: int = 0
+    elapsed_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        ms = [1e3 * t for t in self.ttft_s]
+        return {
+            "requests": len(self.ttft_s),
+            "errors": self.errors,
+            "elapsed_s": self.elapsed_s,
+            "output_tokens_per_s": self.output_tokens / self.elapsed_s if self.elapsed_s else 0,
+            "ttft_p50_ms": common.percentile(ms, 50),
+            "ttft_p99_ms": common.percentile(ms, 99),
+        }
+
+
+async def closed_loop(
+    url: str, prompts: list[str], concurrency: int, output_len: int
+) -> LoadResult:
+    """``concurrency`` clients, each sending the next prompt as soon as its last one ended."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=1800, max_retries=0)
+    result = LoadResult()
+    queue = list(reversed(prompts))
+
+    async def one_client() -> None:
+        while queue:
+            prompt = queue.pop()
+            start = time.perf_counter()
+            first = None
+            try:
+                stream = await client.completions.create(
+                    model="bench",
+                    prompt=prompt,
+                    max_tokens=output_len,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text and first is None:
+                        first = time.perf_counter() - start
+                    if chunk.choices:
+                        result.output_tokens += 1
+                if first is not None:
+                    result.ttft_s.append(first)
+            except Exception as error:  # noqa: BLE001 - every failure counts, and is shown
+                result.errors += 1
+                print(f"  request failed: {error}", flush=True)
+
+    begin = time.perf_counter()
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    result.elapsed_s = time.perf_counter() - begin
+    await client.close()
+    return result
+
+
+def counters(nodes: list[Process]) -> list[dict[str, float]]:
+    return [n.metrics() for n in nodes]
+
+
+def deltas(before: list[dict[str, float]], after: list[dict[str, float]], name: str) -> list[float]:
+    return [a.get(name, 0.0) - b.get(name, 0.0) for b, a in zip(before, after, strict=True)]
+
+
+def run_workload(
+    url: str, nodes: list[Process], warmup: list[str], measured: list[str], args: argparse.Namespace
+) -> dict[str, Any]:
+    asyncio.run(closed_loop(url, warmup, args.concurrency, args.output_len))
+    before = counters(nodes)
+    load = asyncio.run(closed_loop(url, measured, args.concurrency, args.output_len))
+    after = counters(nodes)
+    hits = deltas(before, after, "vllm:prefix_cache_hits_total")
+    queries = deltas(before, after, "vllm:prefix_cache_queries_total")
+    served = deltas(before, after, "vllm:request_success_total")
+    return load.summary() | {
+        "prefix_hit_rate": sum(hits) / sum(queries) if sum(queries) else None,
+        "requests_per_node": served,
+        "hits_per_node": hits,
+        "queries_per_node": queries,
+        "busiest_share": max(served) / statistics.mean(served) if sum(served) else None,
+    }
+
+
+# ----- the parts -----------------------------------------------------------------------------
+
+
+def part_a(args, model, tokenizer, workdir) -> dict[str, Any]:
+    per_prompt = args.system_len + args.question_len + args.output_len
+    kv_tokens = round(args.cache_prompts * per_prompt)
+    total = args.warmup + args.requests
+    runs: dict[str, Any] = {}
+    nodes = start_nodes(args, model, args.nodes, kv_tokens, workdir, "fleet")
+    try:
+        for index, policy in enumerate(args.policies):
+            requests = [p for _, p in shared_prefix_requests(tokenizer, args, 100 + index, total)]
+            router = start_router(model, nodes, policy, workdir)
+            try:
+                print(
+                    f"(a) policy {policy}: {args.warmup} + {args.requests} requests ...", flush=True
+                )
+                runs[policy] = run_workload(
+                    router.url, nodes, requests[: args.warmup], requests[args.warmup :], args
+                )
+                runs[policy]["router"] = {
+                    k: v
+                    for k, v in router.metrics().items()
+                    if k.startswith("pagedllm:router_requests")
+                }
+            finally:
+                router.stop()
+            print(f"    {runs[policy]}", flush=True)
+    finally:
+        for node in nodes:
+            node.stop()
+    if args.one_node:
+        requests = [p for _, p in shared_prefix_requests(tokenizer, args, 99, total)]
+        (alone,) = start_nodes(args, model, 1, kv_tokens * args.nodes, workdir, "alone")
+        try:
+            print(f"(a) one node with the fleet's cache: {total} requests ...", flush=True)
+            runs["one node"] = run_workload(
+                alone.url, [alone], requests[: args.warmup], requests[args.warmup :], args
+            )
+        finally:
+            alone.stop()
+    return {"kv_tokens_per_node": kv_tokens, "runs": runs}
+
+
+def part_b(args, model, tokenizer, workdir) -> dict[str, Any]:
+    per_prompt = args.system_len + args.question_len + args.output_len
+    kv_tokens = round(args.cache_prompts * per_prompt)
+    rng = random.Random(7)
+    prompts = random_texts(tokenizer, args.uniform_requests, args.uniform_len, rng)
+    nodes = start_nodes(args, model, args.nodes, kv_tokens, workdir, "uniform")
+    try:
+        router = start_router(model, nodes, "prefix", workdir)
+        try:
+            print(f"(b) uniform workload, {len(prompts)} requests ...", flush=True)
+            return run_workload(router.url, nodes, [], prompts, args)
+        finally:
+            router.stop()
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def part_c(args, model, tokenizer, workdir) -> dict[str, Any]:
+    per_prompt = args.overhead_len + args.output_len
+    (node,) = start_nodes(args, model, 1, 64 * per_prompt, workdir, "overhead")
+    rows: dict[str, list[dict[str, Any]]] = {}
+    try:
+        router = start_router(model, [node], "prefix", workdir)
+        try:
+            rng = random.Random(11)
+            for run in range(args.overhead_runs):
+                for concurrency in args.overhead_concurrency:
+                    count = max(args.overhead_min_requests, 2 * concurrency)
+                    for target, url in (("direct", node.url), ("router", router.url)):
+                        prompts = random_texts(tokenizer, count, args.overhead_len, rng)
+                        # Warm the connections and the path first.
+                        asyncio.run(closed_loop(url, prompts[:concurrency], concurrency, 4))
+                        load = asyncio.run(closed_loop(url, prompts, concurrency, args.output_len))
+                        row = load.summary() | {"run": run, "concurrency": concurrency}
+                        rows.setdefault(f"{target}@{concurrency}", []).append(row)
+                        print(f"(c) run {run} {target} c={concurrency}: {row}", flush=True)
+        finally:
+            router.stop()
+    finally:
+        node.stop()
+    summary = {}
+    for concurrency in args.overhead_concurrency:
+        direct, routed = rows[f"direct@{concurrency}"], rows[f"router@{concurrency}"]
+        med = statistics.median
+        d_ttft, r_ttft = (
+            med(r["ttft_p50_ms"] for r in direct),
+            med(r["ttft_p50_ms"] for r in routed),
+        )
+        d_tput = med(r["output_tokens_per_s"] for r in direct)
+        r_tput = med(r["output_tokens_per_s"] for r in routed)
+        summary[concurrency] = {
+            "direct_ttft_p50_ms": d_ttft,
+            "router_ttft_p50_ms": r_ttft,
+            "added_ttft_p50_ms": r_ttft - d_ttft,
+            "direct_tokens_per_s": d_tput,
+            "router_tokens_per_s": r_tput,
+            "throughput_loss": 1 - r_tput / d_tput,
+        }
+    return {"runs": rows, "summary": summary}
+
+
+# ----- output --------------------------------------------------------------------------------
+
+
+def plot(data: dict[str, Any], name: str) -> Path:
+    fig, axes = common.new_figure(ncols=3, width=5.0)
+    if "shared_prefix" in data:
+        runs = data["shared_prefix"]["runs"]
+        names = list(runs)
+        ax = axes[0]
+        rates = [100 * (runs[n]["prefix_hit_rate"] or 0) for n in names]
+        bars = ax.bar(
+            names, rates, color=["tab:green", "tab:red", "tab:orange", "tab:grey"][: len(names)]
+        )
+        for bar, v in zip(bars, rates, strict=True):
+            ax.annotate(
+                f"{v:.0f}%", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom"
+            )
+        ax.set_ylabel("prefix cache hit rate (% of prompt tokens)")
+        ax.set_title("Cluster prefix hit rate")
+        ax = axes[1]
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], [runs[n]["ttft_p50_ms"] or 0 for n in names], 0.4, label="p50")
+        ax.bar([i + 0.2 for i in x], [runs[n]["ttft_p99_ms"] or 0 for n in names], 0.4, label="p99")
+        ax.set_xticks(list(x), names)
+        ax.set_ylabel("time to first token (ms)")
+        ax.set_yscale("log")
+        ax.set_title("TTFT, closed loop")
+        ax.legend(fontsize=8)
+    if "overhead" in data:
+        ax = axes[2]
+        summary = data["overhead"]["summary"]
+        labels = [f"c={c}" for c in summary]
+        added = [s["added_ttft_p50_ms"] for s in summary.values()]
+        ax.bar(labels, added, color="tab:blue")
+        ax.axhline(TARGET_ADDED_TTFT_MS, color="grey", lw=0.8, ls="--", label="target")
+        ax.set_ylabel("added p50 TTFT through the router (ms)")
+        ax.set_title("Router cost")
+        ax.legend(fontsize=8)
+    return common.save_figure(fig, name)
+
+
+def targets_of(data: dict[str, Any]) -> list[common.Target]:
+    targets = []
+    runs = data.get("shared_prefix", {}).get("runs", {})
+    if "prefix" in runs and "one node" in runs:
+        share = runs["prefix"]["prefix_hit_rate"] / runs["one node"]["prefix_hit_rate"]
+        targets.append(common.Target("cluster hit rate / one node's", share, TARGET_HIT_RATE_SHARE))
+    if "prefix" in runs and "random" in runs:
+        gain = runs["random"]["ttft_p50_ms"] / runs["prefix"]["ttft_p50_ms"]
+        targets.append(common.Target("TTFT p50 gain over random", gain, TARGET_TTFT_GAIN, unit="x"))
+    if "uniform" in data:
+        targets.append(
+            common.Target(
+                "busiest node's share / mean (uniform)",
+                data["uniform"]["busiest_share"],
+                TARGET_BUSIEST_SHARE,
+                at_most=True,
+            )
+        )
+    for concurrency, s in data.get("overhead", {}).get("summary", {}).items():
+        targets.append(
+            common.Target(
+                f"added p50 TTFT at c={concurrency}",
+                s["added_ttft_p50_ms"],
+                TARGET_ADDED_TTFT_MS,
+                at_most=True,
+                unit=" ms",
+            )
+        )
+        targets.append(
+            common.Target(
+                f"throughput loss at c={concurrency}",
+                s["throughput_loss"],
+                TARGET_THROUGHPUT_LOSS,
+                at_most=True,
+            )
+        )
+    return targets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--parts", default="a,b,c", help="a (shared prefixes), b (balance), c (cost)"
+    )
+    parser.add_argument("--model", help="model directory (default: the benchmark model)")
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--policies", default="prefix,random,round-robin")
+    parser.add_argument("--prompts", type=int, default=8, help="system prompts")
+    parser.add_argument("--system-len", type=int, default=1024)
+    parser.add_argument("--question-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument(
+        "--cache-prompts", type=float, default=3.0, help="prompts one node's KV holds"
+    )
+    parser.add_argument("--warmup", type=int, default=24)
+    parser.add_argument("--requests", type=int, default=240)
+    parser.add_argument("--concurrency", type=int, default=12)
+    parser.add_argument("--no-one-node", dest="one_node", action="store_false")
+    parser.add_argument("--uniform-requests", type=int, default=120)
+    parser.add_argument("--uniform-len", type=int, default=128)
+    parser.add_argument("--overhead-concurrency", default="1,32")
+    parser.add_argument("--overhead-runs", type=int, default=3)
+    parser.add_argument("--overhead-len", type=int, default=64)
+    parser.add_argument("--overhead-min-requests", type=int, default=16)
+    parser.add_argument("--name", default="fleet")
+    args = parser.parse_args()
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    args.overhead_concurrency = [int(c) for c in args.overhead_concurrency.split(",")]
+    parts = {p.strip() for p in args.parts.split(",")}
+
+    from transformers import AutoTokenizer
+
+    common.warn_if_busy()
+    model = common.resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    data: dict[str, Any] = {
+        "benchmark": "fleet",
+        "machine": common.machine_info(),
+        "model": common.model_summary(model),
+        "settings": {k: v for k, v in vars(args).items() if k != "parts"}
+        | {"parts": sorted(parts)},
+    }
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="pagedllm-fleet-") as tmp:
+        workdir = Path(tmp)
+        if "a" in parts:
+            data["shared_prefix"] = part_a(args, model, tokenizer, workdir)
+            runs = data["shared_prefix"]["runs"]
+            common.print_table(
+                [
+                    "policy",
+                    "hit rate",
+                    "TTFT p50 ms",
+                    "TTFT p99 ms",
+                    "tok/s",
+                    "requests per node",
+                    "errors",
+                ],
+                [
+                    [
+                        name,
+                        f"{(r['prefix_hit_rate'] or 0):.1%}",
+                        r["ttft_p50_ms"],
+                        r["ttft_p99_ms"],
+                        r["output_tokens_per_s"],
+                        " ".join(f"{v:.0f}" for v in r["requests_per_node"]),
+                        r["errors"],
+                    ]
+                    for name, r in runs.items()
+                ],
+                title=f"(a) {args.prompts} system prompts of {args.system_len} tokens, "
+                f"{args.requests} requests at concurrency {args.concurrency}",
+            )
+        if "b" in parts:
+            data["uniform"] = part_b(args, model, tokenizer, workdir)
+            u = data["uniform"]
+            print(
+                f"\n(b) uniform: requests per node {u['requests_per_node']}, "
+                f"busiest / mean {u['busiest_share']:.2f}"
+            )
+        if "c" in parts:
+            data["overhead"] = part_c(args, model, tokenizer, workdir)
+            common.print_table(
+                [
+                    "concurrency",
+                    "direct TTFT p50",
+                    "router TTFT p50",
+                    "added ms",
+                    "direct tok/s",
+                    "router tok/s",
+                    "loss",
+                ],
+                [
+                    [
+                        c,
+                        s["direct_ttft_p50_ms"],
+                        s["router_ttft_p50_ms"],
+                        s["added_ttft_p50_ms"],
+                        s["direct_tokens_per_s"],
+                        s["router_tokens_per_s"],
+                        f"{s['throughput_loss']:.1%}",
+                    ]
+                    for c, s in data["overhead"]["summary"].items()
+                ],
+                title="(c) the router's cost (medians of interleaved runs)",
+            )
+    data["duration_s"] = time.monotonic() - started
+    targets = targets_of(data)
+    common.print_targets(targets)
+    data["targets"] = [t.to_json() for t in targets]
+    data["machine"]["load_average_1m_at_end"] = os.getloadavg()[0]
+    path = common.write_json(args.name, data)
+    print(f"\nwrote {path} and {plot(data, args.name)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The nodes the router may send to, each with what its feed last said: the blocks it holds,
+its load, and the router's own requests in flight to it.
+
+A backend source (the static ``--backends`` list, or Kubernetes discovery) calls
+``set_backends`` with the full set whenever it changes: new nodes are subscribed to, nodes that
+left are unsubscribed and forgotten (requests in flight to them finish on their own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+from pagedllm.router.feed_messages import Load
+from pagedllm.router.residency import Residency
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Backend:
+    url: str
+    # None until the feed's snapshot arrives, and again whenever the feed is lost.
+    residency: Residency | None = None
+    feed_load: Load | None = None
+    in_flight: int = 0
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def ready(self) -> bool:
+        return self.residency is not None
+
+    @property
+    def load(self) -> int:
+        """Requests at the node: the feed's running and waiting (which counts other routers'
+        too) but never fewer than this router has sent and not seen finish (the feed lags)."""
+        reported = 0 if self.feed_load is None else self.feed_load.running + self.feed_load.waiting
+        return max(self.in_flight, reported)
+
+
+Subscriber = Callable[[Backend, "Fleet"], Awaitable[None]]
+
+
+class Fleet:
+    """The router's set of backends; ``subscribe`` follows one backend's feed until cancelled."""
+
+    def __init__(self, subscribe: Subscriber) -> None:
+        self._subscribe = subscribe
+        self.backends: dict[str, Backend] = {}
+        self._ready_changed = asyncio.Condition()
+
+    def set_backends(self, urls: Iterable[str]) -> None:
+        wanted = list(dict.fromkeys(u.rstrip("/") for u in urls))
+        for url in [u for u in self.backends if u not in wanted]:
+            backend = self.backends.pop(url)
+            if backend.task is not None:
+                backend.task.cancel()
+            log.info("backend %s removed", url)
+        for url in wanted:
+            if url not in self.backends:
+                backend = self.backends[url] = Backend(url)
+                backend.task = asyncio.get_running_loop().create_task(
+                    self._subscribe(backend, self), name=f"feed {url}"
+                )
+                log.info("backend %s added", url)
+
+    def ready(self) -> list[Backend]:
+        return [b for b in self.backends.values() if b.ready]
+
+    def notify(self) -> None:
+        """A backend became ready: wake the requests held for one."""
+
+        async def wake() -> None:
+            async with self._ready_changed:
+                self._ready_changed.notify_all()
+
+        asyncio.get_running_loop().create_task(wake())
+
+    async def wait_ready(self, timeout: float) -> list[Backend]:
+        """The ready backends, waiting up to ``timeout`` seconds for one (empty if none came)."""
+
+        async def until_ready() -> None:
+            async with self._ready_changed:
+                await self._ready_changed.wait_for(lambda: bool(self.ready()))
+
+        try:
+            await asyncio.wait_for(until_ready(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return self.ready()
+
+    async def close(self) -> None:
+        tasks = [b.task for b in self.backends.values() if b.task is not None]
+        self.backends.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

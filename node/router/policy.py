@@ -1,0 +1,119 @@
+"""Which node gets a request: pure functions of what each candidate holds and how busy it is.
+
+``prefix`` sends a request to the node holding the longest cached prefix of its prompt, unless
+that node is above the load bound (consistent hashing with bounded loads: no node takes more than
+``load_bound`` times its fair share of the requests in flight, this one included); then to the
+least-loaded node. A prompt cached nowhere goes to the node a rendezvous hash of its leading
+tokens picks among those within the bound, so that requests sharing a system prompt land
+together and the next ones find it cached. ``least-load``, ``round-robin`` and ``random`` (what a
+Kubernetes Service does, for comparisons) ignore the caches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+# Leading tokens that place a prompt cached nowhere: enough to tell system prompts apart past a
+# chat template's fixed opening, few enough that requests sharing only a long prompt's start
+# still land together.
+PLACEMENT_TOKENS = 128
+
+
+class Policy(str, Enum):
+    PREFIX = "prefix"
+    LEAST_LOAD = "least-load"
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+
+
+class Reason(str, Enum):
+    """Why a request went where it went (the router's ``requests routed`` metric)."""
+
+    PREFIX = "prefix"  # the longest cached prefix, within the load bound
+    LOAD = "load"  # least loaded: the caching nodes were over the bound, or nothing to place by
+    FALLBACK = "fallback"  # cached nowhere: placed by the hash of its leading tokens
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    url: str
+    cached_tokens: int  # the leading tokens of this prompt the node holds
+    load: int  # requests running and waiting there
+
+
+@dataclass(frozen=True)
+class Choice:
+    order: list[str]  # the nodes to try, best first (the rest only when the first refuses)
+    reason: Reason
+    cached_tokens: int  # what the first node is predicted to hold
+
+
+def placement_key(token_ids: Sequence[int]) -> bytes:
+    head = ",".join(map(str, token_ids[:PLACEMENT_TOKENS])).encode()
+    return hashlib.blake2b(head, digest_size=16).digest()
+
+
+def rendezvous(key: bytes, url: str) -> int:
+    """Highest-random-weight score: each key ranks the nodes its own way, and a node coming or
+    going moves only the keys it wins or won."""
+    return int.from_bytes(hashlib.blake2b(key + url.encode(), digest_size=8).digest(), "big")
+
+
+def capacity(loads: Sequence[int], load_bound: float) -> int:
+    """The most requests one node may have, the new one included: ``load_bound`` times the
+    mean once the new request is counted (never below one, so an idle fleet takes requests)."""
+    return max(1, math.ceil(load_bound * (sum(loads) + 1) / len(loads)))
+
+
+def choose(
+    policy: Policy,
+    candidates: Sequence[Candidate],
+    key: bytes,
+    load_bound: float,
+    turn: int,
+) -> Choice:
+    """``candidates``: the ready nodes (at least one). ``key``: the prompt's placement key.
+    ``turn``: the round-robin counter, or a random draw for ``random``."""
+    if not candidates:
+        raise ValueError("no candidates to choose from")
+    ordered = sorted(candidates, key=lambda c: c.url)
+    if policy == Policy.ROUND_ROBIN:
+        return _first(ordered[turn % len(ordered)], candidates, key, Reason.ROUND_ROBIN)
+    if policy == Policy.RANDOM:
+        return _first(ordered[turn % len(ordered)], candidates, key, Reason.RANDOM)
+    if policy == Policy.LEAST_LOAD:
+        return _first(_least_loaded(candidates, key), candidates, key, Reason.LOAD)
+    return _prefix(candidates, key, load_bound)
+
+
+def _prefix(candidates: Sequence[Candidate], key: bytes, load_bound: float) -> Choice:
+    cap = capacity([c.load for c in candidates], load_bound)
+    within = [c for c in candidates if c.load + 1 <= cap]
+    best = max(within, key=lambda c: (c.cached_tokens, -c.load, rendezvous(key, c.url)))
+    if best.cached_tokens > 0:
+        return _first(best, candidates, key, Reason.PREFIX)
+    if any(c.cached_tokens > 0 for c in candidates):
+        return _first(_least_loaded(within, key), candidates, key, Reason.LOAD)
+    placed = max(within, key=lambda c: rendezvous(key, c.url))
+    return _first(placed, candidates, key, Reason.FALLBACK)
+
+
+def _least_loaded(candidates: Sequence[Candidate], key: bytes) -> Candidate:
+    return min(candidates, key=lambda c: (c.load, -rendezvous(key, c.url)))
+
+
+def _first(
+    chosen: Candidate, candidates: Sequence[Candidate], key: bytes, reason: Reason
+) -> Choice:
+    """``chosen`` first, then the others by what they hold and how busy they are."""
+    rest = sorted(
+        (c for c in candidates if c.url != chosen.url),
+        key=lambda c: (-c.cached_tokens, c.load, -rendezvous(key, c.url)),
+    )
+    return Choice([chosen.url, *(c.url for c in rest)], reason, chosen.cached_tokens)

@@ -1,0 +1,158 @@
+"""Forwarding one request: the original body to the chosen backend, its answer streamed back
+as it comes (SSE included, never buffered whole).
+
+A backend that refuses the connection or answers 503 before anything was sent to the client
+is skipped for the next in the policy's order; once the answer started, the client gets it as
+it is. A client that goes away closes the upstream connection, which aborts the request at the
+node and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from pagedllm.api.errors import ApiError, error_response, unavailable
+from pagedllm.api.event_stream import unless_disconnected
+from pagedllm.router.fleet import Fleet
+from pagedllm.router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+# What is passed back from the backend's answer (the body is streamed, so no Content-Length).
+RELAYED_HEADERS = ("content-type", "retry-after", "cache-control", "x-accel-buffering")
+# Status for a client that left before the answer: nobody reads it (nginx's convention).
+CLIENT_CLOSED = 499
+
+
+class UpstreamResponse(Response):
+    """Relays a backend's streaming answer; closes it (and so aborts the request upstream)
+    however the relay ends, and then calls each of ``on_close`` once."""
+
+    def __init__(self, upstream: httpx.Response, on_close: Callable[[], None]) -> None:
+        super().__init__(status_code=upstream.status_code)
+        self.raw_headers = [
+            (k.encode(), v.encode()) for k, v in upstream.headers.items() if k in RELAYED_HEADERS
+        ]
+        self.upstream = upstream
+        self.on_close = [on_close]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await unless_disconnected(self._relay(send), receive)
+        except (OSError, httpx.HTTPError) as error:
+            # The client went away mid-write, or the backend mid-answer: the answer stays cut.
+            log.info("relay from %s ended early: %s", self.upstream.url, error)
+        finally:
+            for callback in self.on_close:
+                callback()
+            await self.upstream.aclose()
+
+    async def _relay(self, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        async for chunk in self.upstream.aiter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+@dataclass
+class Forwarder:
+    client: httpx.AsyncClient
+    fleet: Fleet
+    metrics: RouterMetrics
+    api_key: str | None
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _headers(self, request: Request) -> dict[str, str]:
+        content_type = request.headers.get("content-type", "application/json")
+        return {"content-type": content_type, **self.auth_headers()}
+
+    async def forward(
+        self, request: Request, body: bytes, order: list[str], on_sent: Callable[[], None]
+    ) -> Response:
+        """The first answer of the backends in ``order`` that neither refuses the connection
+        nor answers 503; ``on_sent`` is called when the request first leaves for a backend."""
+        refusals: list[str] = []
+        last_503: dict[str, Any] | None = None
+        for url in order:
+            backend = self.fleet.backends.get(url)
+            if backend is None:  # removed since the choice
+                continue
+            backend.in_flight += 1
+            handed_over = False
+            try:
+                upstream_request = self.client.build_request(
+                    "POST", url + request.url.path, content=body, headers=self._headers(request)
+                )
+                on_sent()
+                send = self.client.send(upstream_request, stream=True)
+                upstream = await unless_disconnected(send, request.receive)
+                if upstream is None:
+                    return Response(status_code=CLIENT_CLOSED)
+                if upstream.status_code == 503:
+                    last_503 = await _read_error(upstream)
+                    self.metrics.upstream_errors.labels(url, "unavailable").inc()
+                    refusals.append(f"{url} answered 503")
+                    continue
+                handed_over = True
+
+                def done(backend: Any = backend) -> None:
+                    backend.in_flight -= 1
+
+                return UpstreamResponse(upstream, done)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+                self.metrics.upstream_errors.labels(url, "connect").inc()
+                refusals.append(f"{url}: {error or type(error).__name__}")
+            except httpx.HTTPError as error:
+                # It may have reached the node: not retried, so it never runs twice.
+                self.metrics.upstream_errors.labels(url, "broken").inc()
+                return error_response(
+                    ApiError(
+                        502,
+                        f"the serving node {url} failed before answering: "
+                        f"{error or type(error).__name__}",
+                        "server_error",
+                        "upstream_failed",
+                    )
+                )
+            finally:
+                if not handed_over:
+                    backend.in_flight -= 1
+        message = _error_message(last_503)
+        if message is not None:
+            error = unavailable(message, "upstream_unavailable")
+        else:
+            error = unavailable(
+                "no serving node accepted the request (" + "; ".join(refusals) + ")",
+                "no_backend",
+            )
+        return error_response(error)
+
+
+def _error_message(body: dict[str, Any] | None) -> str | None:
+    """The message of an OpenAI-shaped error body, if it is one."""
+    error = (body or {}).get("error")
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else None
+
+
+async def _read_error(upstream: httpx.Response) -> dict[str, Any] | None:
+    try:
+        await upstream.aread()
+        value = upstream.json()
+        return value if isinstance(value, dict) else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    finally:
+        await upstream.aclose()

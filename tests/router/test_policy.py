@@ -1,0 +1,123 @@
+"""The routing policies, as pure functions of what each node holds and how busy it is."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedllm.router.policy import (
+    Candidate,
+    Policy,
+    Reason,
+    capacity,
+    choose,
+    placement_key,
+)
+
+A, B, C = "http://a:8000", "http://b:8000", "http://c:8000"
+KEY = placement_key(list(range(200)))
+
+
+def nodes(*specs: tuple[str, int, int]) -> list[Candidate]:
+    return [Candidate(url, cached, load) for url, cached, load in specs]
+
+
+def test_the_longest_cached_prefix_wins_within_the_bound() -> None:
+    choice = choose(Policy.PREFIX, nodes((A, 32, 2), (B, 512, 2), (C, 0, 1)), KEY, 1.25, 0)
+    assert choice.order[0] == B and choice.reason == Reason.PREFIX
+    assert choice.cached_tokens == 512
+    # The others follow, most cached first: the order a refused request is retried in.
+    assert choice.order == [B, A, C]
+
+
+def test_a_node_above_the_bound_is_passed_over_for_the_least_loaded() -> None:
+    # Loads 9, 1, 2: the mean with the new request is 13/3, the bound 1.25 x that: 5.4 -> 6.
+    assert capacity([9, 1, 2], 1.25) == 6
+    choice = choose(Policy.PREFIX, nodes((A, 1024, 9), (B, 0, 1), (C, 0, 2)), KEY, 1.25, 0)
+    assert choice.order[0] == B and choice.reason == Reason.LOAD
+    # A looser bound lets the cache win again.
+    loose = choose(Policy.PREFIX, nodes((A, 1024, 9), (B, 0, 1), (C, 0, 2)), KEY, 3.0, 0)
+    assert loose.order[0] == A and loose.reason == Reason.PREFIX
+
+
+def test_a_shorter_prefix_within_the_bound_beats_the_overloaded_longest() -> None:
+    choice = choose(Policy.PREFIX, nodes((A, 1024, 9), (B, 64, 1), (C, 0, 1)), KEY, 1.25, 0)
+    assert choice.order[0] == B and choice.reason == Reason.PREFIX
+
+
+def test_a_prompt_cached_nowhere_is_placed_by_its_leading_tokens() -> None:
+    candidates = nodes((A, 0, 0), (B, 0, 0), (C, 0, 0))
+    keys = [placement_key([7] * 130 + [i]) for i in range(20)]  # same first 128 tokens
+    placed = {choose(Policy.PREFIX, candidates, k, 1.25, i).order[0] for i, k in enumerate(keys)}
+    assert len(placed) == 1
+    assert choose(Policy.PREFIX, candidates, keys[0], 1.25, 0).reason == Reason.FALLBACK
+    # Different system prompts spread over the nodes.
+    spread = Counter(
+        choose(Policy.PREFIX, candidates, placement_key([i] * 128), 1.25, 0).order[0]
+        for i in range(300)
+    )
+    assert set(spread) == {A, B, C} and min(spread.values()) > 50
+    # A placement that would overload its node goes to one within the bound.
+    busy = {choose(Policy.PREFIX, candidates, keys[0], 1.25, 0).order[0]}
+    loaded = [Candidate(c.url, 0, 5 if c.url in busy else 0) for c in candidates]
+    assert choose(Policy.PREFIX, loaded, keys[0], 1.25, 0).order[0] not in busy
+
+
+def test_placement_is_stable_when_a_node_leaves() -> None:
+    """Rendezvous hashing: removing a node moves only the prompts it held."""
+    all_three = nodes((A, 0, 0), (B, 0, 0), (C, 0, 0))
+    without_c = nodes((A, 0, 0), (B, 0, 0))
+    for i in range(200):
+        key = placement_key([i] * 128)
+        before = choose(Policy.PREFIX, all_three, key, 1.25, 0).order[0]
+        after = choose(Policy.PREFIX, without_c, key, 1.25, 0).order[0]
+        if before != C:
+            assert after == before
+
+
+def test_round_robin_cycles_through_every_node() -> None:
+    candidates = nodes((C, 999, 0), (A, 0, 0), (B, 0, 50))
+    firsts = [choose(Policy.ROUND_ROBIN, candidates, KEY, 1.25, t).order[0] for t in range(6)]
+    assert firsts == [A, B, C, A, B, C]
+    assert choose(Policy.ROUND_ROBIN, candidates, KEY, 1.25, 0).reason == Reason.ROUND_ROBIN
+
+
+def test_least_load_ignores_the_caches() -> None:
+    choice = choose(Policy.LEAST_LOAD, nodes((A, 2048, 3), (B, 0, 1), (C, 0, 2)), KEY, 1.25, 0)
+    assert choice.order[0] == B and choice.reason == Reason.LOAD
+
+
+def test_random_takes_the_drawn_node() -> None:
+    candidates = nodes((A, 0, 0), (B, 0, 0), (C, 0, 0))
+    assert [choose(Policy.RANDOM, candidates, KEY, 1.25, t).order[0] for t in (0, 1, 2)] == [
+        A,
+        B,
+        C,
+    ]
+
+
+def test_no_candidates_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        choose(Policy.PREFIX, [], KEY, 1.25, 0)
+
+
+@given(
+    loads=st.lists(st.integers(0, 50), min_size=1, max_size=8),
+    cached=st.lists(st.integers(0, 4).map(lambda b: 16 * b), min_size=8, max_size=8),
+    bound=st.floats(1.0, 4.0),
+)
+def test_prefix_never_picks_a_node_over_the_bound(
+    loads: list[int], cached: list[int], bound: float
+) -> None:
+    candidates = [Candidate(f"http://n{i}", cached[i], load) for i, load in enumerate(loads)]
+    choice = choose(Policy.PREFIX, candidates, KEY, bound, 0)
+    chosen = next(c for c in candidates if c.url == choice.order[0])
+    assert chosen.load + 1 <= capacity(loads, bound)
+    assert sorted(choice.order) == sorted(c.url for c in candidates)
+    # Within the bound, nothing holds more of the prompt than the chosen node.
+    within = [c for c in candidates if c.load + 1 <= capacity(loads, bound)]
+    if choice.reason == Reason.PREFIX:
+        assert chosen.cached_tokens == max(c.cached_tokens for c in within) > 0
