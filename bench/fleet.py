@@ -183,12 +183,26 @@ def start_router(model: Path, nodes: list[Process], policy: str, workdir: Path) 
 # ----- workload and load generator -----------------------------------------------------------
 
 
+def word_tokens(tokenizer: Any) -> list[str]:
+    """Tokens that are one word with its leading space and encode back to themselves: text
+    made of them has exactly as many tokens as words (the tokenizer never merges across a
+    space), so prompts have the lengths asked for."""
+    words = []
+    for token in range(common.FIRST_PLAIN_TOKEN, tokenizer.vocab_size):
+        text = tokenizer.decode([token])
+        if (
+            len(text) > 1
+            and text[0] == " "
+            and text[1:].isalpha()
+            and tokenizer.encode(text, add_special_tokens=False) == [token]
+        ):
+            words.append(text)
+    return words
+
+
 def random_texts(tokenizer: Any, count: int, length: int, rng: random.Random) -> list[str]:
-    vocab = tokenizer.vocab_size
-    return [
-        tokenizer.decode([rng.randrange(common.FIRST_PLAIN_TOKEN, vocab) for _ in range(length)])
-        for _ in range(count)
-    ]
+    words = word_tokens(tokenizer)
+    return ["".join(rng.choices(words, k=length)) for _ in range(count)]
 
 
 def shared_prefix_requests(
@@ -246,9 +260,9 @@ async def closed_loop(
                     extra_body={"ignore_eos": True},
                 )
                 async for chunk in stream:
-                    if chunk.choices and chunk.choices[0].text and first is None:
-                        first = time.perf_counter() - start
-                    if chunk.choices:
+                    if chunk.choices:  # a token (its text may still be empty)
+                        if first is None:
+                            first = time.perf_counter() - start
                         result.output_tokens += 1
                 if first is not None:
                     result.ttft_s.append(first)
@@ -261,6 +275,19 @@ async def closed_loop(
     result.elapsed_s = time.perf_counter() - begin
     await client.close()
     return result
+
+
+def routed_by_reason(router: Process) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{router.url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {
+        sample.labels["reason"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pagedllm:router_requests_routed_total"
+    }
 
 
 def counters(nodes: list[Process]) -> list[dict[str, float]]:
@@ -310,11 +337,7 @@ def part_a(args, model, tokenizer, workdir) -> dict[str, Any]:
                 runs[policy] = run_workload(
                     router.url, nodes, requests[: args.warmup], requests[args.warmup :], args
                 )
-                runs[policy]["router"] = {
-                    k: v
-                    for k, v in router.metrics().items()
-                    if k.startswith("pagedllm:router_requests")
-                }
+                runs[policy]["routed_by_reason"] = routed_by_reason(router)
             finally:
                 router.stop()
             print(f"    {runs[policy]}", flush=True)
