@@ -2,7 +2,8 @@
 (what a Kubernetes Service does) and round robin, and the router's own cost.
 
 (a) Shared prefixes. Three nodes of the benchmark model, each pinned to its share of the cores
-    and with a KV cache that holds about 3 of the 8 system prompts (1,024 tokens each); requests
+    and with a KV cache that holds about 3 of the 8 system prompts (1,024 tokens each) besides
+    the blocks of its share of the requests in flight (their questions and outputs); requests
     are a system prompt and a 64-token question, in random order, 32 output tokens each, sent
     by a closed loop of 12 clients through the router. The router runs each policy in turn
     (``random`` is the router's own ``--policy random``, used only for comparisons: a uniform
@@ -44,6 +45,7 @@ TARGET_BUSIEST_SHARE = 1.3
 TARGET_ADDED_TTFT_MS = 2.0
 TARGET_THROUGHPUT_LOSS = 0.05
 PAGEDLLM = str(Path(sys.executable).with_name("pagedllm"))
+BLOCK_SIZE = 16  # the nodes' default
 START_TIMEOUT_S = 600
 
 
@@ -320,9 +322,16 @@ def run_workload(
 # ----- the parts -----------------------------------------------------------------------------
 
 
+def node_kv_tokens(args: argparse.Namespace) -> int:
+    """A fleet node's KV cache: ``--cache-prompts`` system prompts, besides the blocks of its
+    share of the requests in flight (their questions and outputs, a partial block each)."""
+    in_flight = -(-args.concurrency // args.nodes)
+    working = in_flight * (args.question_len + args.output_len + BLOCK_SIZE)
+    return round(args.cache_prompts * args.system_len) + working
+
+
 def part_a(args, model, tokenizer, workdir) -> dict[str, Any]:
-    per_prompt = args.system_len + args.question_len + args.output_len
-    kv_tokens = round(args.cache_prompts * per_prompt)
+    kv_tokens = node_kv_tokens(args)
     total = args.warmup + args.requests
     runs: dict[str, Any] = {}
     nodes = start_nodes(args, model, args.nodes, kv_tokens, workdir, "fleet")
@@ -358,8 +367,7 @@ def part_a(args, model, tokenizer, workdir) -> dict[str, Any]:
 
 
 def part_b(args, model, tokenizer, workdir) -> dict[str, Any]:
-    per_prompt = args.system_len + args.question_len + args.output_len
-    kv_tokens = round(args.cache_prompts * per_prompt)
+    kv_tokens = node_kv_tokens(args)
     rng = random.Random(7)
     prompts = random_texts(tokenizer, args.uniform_requests, args.uniform_len, rng)
     nodes = start_nodes(args, model, args.nodes, kv_tokens, workdir, "uniform")
