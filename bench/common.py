@@ -12,7 +12,6 @@ import os
 import platform
 import random
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -47,21 +46,9 @@ def cache_dir() -> Path:
 
 def bench_model_dir() -> Path:
     """The benchmark model's directory, written on first use (a few seconds)."""
-    target = cache_dir() / BENCH_MODEL_NAME
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{BENCH_MODEL_NAME}-", dir=target.parent))
-    try:
-        _write_bench_model(staging)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    from pagedllm.cache import cached_dir
+
+    return cached_dir(cache_dir() / BENCH_MODEL_NAME, _write_bench_model, marker="config.json")
 
 
 def _write_bench_model(directory: Path) -> None:
