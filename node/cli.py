@@ -33,7 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
 
     generate = commands.add_parser("generate", help="generate once, offline, and print it")
-    generate.add_argument("--model", default=None, help="model directory (default: demo)")
+    generate.add_argument(
+        "--model",
+        default=None,
+        help="model directory, GGUF file or smollm2 (default: the demo model)",
+    )
+    generate.add_argument(
+        "--tokenizer", default=None, metavar="DIR", help="tokenizer directory or GGUF file"
+    )
     generate.add_argument("--prompt", default="Hello, my name is")
     generate.add_argument("--max-tokens", type=positive_int, default=16)
     generate.add_argument("--temperature", type=float, default=0.0)
@@ -89,7 +96,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         )
-        llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory)
+        llm = LLM(model=args.model, tokenizer=args.tokenizer, kv_cache_memory=args.kv_cache_memory)
     except ValueError as error:
         parser.error(str(error))
     output = llm.generate([args.prompt], params, use_tqdm=False)[0]

@@ -27,6 +27,7 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 class ServeArgs:
     engine: EngineConfig
     model_dir: str
+    tokenizer_dir: str
     model_names: list[str]
     max_model_len: int
     vocab_size: int
@@ -122,7 +123,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="local Hugging Face model directory (default: the built-in demo model)",
+        help="local Hugging Face model directory, GGUF file (or a directory holding one), "
+        "or smollm2 (default: the built-in demo model)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="take the tokenizer and chat template from this Hugging Face directory or GGUF "
+        "file (default: the model's)",
     )
     p.add_argument(
         "--served-model-name",
@@ -264,6 +273,7 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
     try:
         engine = EngineConfig(
             model=ns.model,
+            tokenizer=ns.tokenizer,
             dtype=ns.dtype,
             block_size=ns.block_size,
             kv_cache_memory=ns.kv_cache_memory,
@@ -305,6 +315,9 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
     return ServeArgs(
         engine=engine,
         model_dir=model_dir,
+        tokenizer_dir=os.path.abspath(os.path.expanduser(ns.tokenizer))
+        if ns.tokenizer
+        else model_dir,
         model_names=list(names),
         max_model_len=max_model_len,
         vocab_size=model.vocab_size,
