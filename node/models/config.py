@@ -87,7 +87,10 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         raise ModelLoadError(f"model directory {directory} does not exist")
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise ModelLoadError(f"{config_path} not found: not a Hugging Face model directory")
+        raise ModelLoadError(
+            f"{config_path} not found: not a Hugging Face model directory (nor one holding a "
+            "GGUF file)"
+        )
     generation_path = directory / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.is_file() else {}
     return parse_model_config(_read_json(config_path), generation, directory)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pagedllm.api.limits import MAX_N_LIMIT, RequestLimits
 from pagedllm.config import DTYPE_CHOICES, EngineConfig, resolve_model_dir
 from pagedllm.kernels import BACKENDS
+from pagedllm.models.named import NAMED_MODELS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 DEMO_MODEL_NAME = "pagedllm-demo"
@@ -266,10 +267,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
+def _exists(path: str) -> bool:
+    return os.path.exists(os.path.expanduser(path))
+
+
 def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeArgs:
     """The checked settings, or ``parser.error`` (exit 2) with what is wrong."""
-    if ns.model is not None and not os.path.isdir(ns.model):
-        parser.error(f"--model {ns.model}: no such directory")
+    if ns.model is not None and ns.model not in NAMED_MODELS and not _exists(ns.model):
+        parser.error(f"--model {ns.model}: no such directory or file")
+    if ns.tokenizer is not None and not _exists(ns.tokenizer):
+        parser.error(f"--tokenizer {ns.tokenizer}: no such directory or file")
     try:
         engine = EngineConfig(
             model=ns.model,
