@@ -3,7 +3,8 @@
     pagedllm serve [--model DIR] [--port 8000] ...   serve the OpenAI API (see serve_args)
     pagedllm generate [--prompt TEXT] ...            one offline generation, printed
     pagedllm demo-model DIR                          write the built-in demo checkpoint
-    pagedllm download hf://ORG/NAME DIR              fetch a Hugging Face model
+    pagedllm download hf://ORG/NAME DIR              fetch a Hugging Face model (or one
+                                                     GGUF file: hf://ORG/NAME/FILE.gguf)
     pagedllm operator [KOPF RUN OPTIONS]             run the Kubernetes operator
 
 Heavy imports (torch, transformers, kopf) happen inside the subcommand that needs them, so
@@ -19,7 +20,13 @@ from collections.abc import Sequence
 
 from pagedllm.serve.args import add_serve_arguments, byte_size, positive_int, serve_args
 
-HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[\w./-]+))?$")
+# hf://ORG/NAME[@REVISION][/FILE.gguf]: a repository, or one GGUF file of it. The revision is
+# matched lazily, so that one holding slashes (refs/pr/1) still leaves the file name apart.
+HF_URI = re.compile(
+    r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[\w./-]+?))?"
+    r"(/(?P<file>[\w.-]+\.gguf))?$"
+)
+HF_URI_FORMS = "hf://ORG/NAME[@REVISION] or hf://ORG/NAME[@REVISION]/FILE.gguf"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,9 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("directory", metavar="DIR")
 
     download = commands.add_parser(
-        "download", help="download hf://ORG/NAME[@REVISION] into DIR (token from $HF_TOKEN)"
+        "download",
+        help="download hf://ORG/NAME[@REVISION] (a repository) or "
+        "hf://ORG/NAME[@REVISION]/FILE.gguf (one file of it) into DIR (token from $HF_TOKEN)",
     )
-    download.add_argument("source", metavar="hf://ORG/NAME[@REVISION]")
+    download.add_argument("source", metavar="hf://ORG/NAME[@REVISION][/FILE.gguf]")
     download.add_argument("directory", metavar="DIR")
 
     commands.add_parser(
@@ -107,12 +116,20 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _download(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     match = HF_URI.match(args.source)
     if match is None:
-        parser.error(f"expected hf://ORG/NAME or hf://ORG/NAME@REVISION, got {args.source!r}")
-    from huggingface_hub import snapshot_download
+        parser.error(f"expected {HF_URI_FORMS}, got {args.source!r}")
+    from huggingface_hub import hf_hub_download, snapshot_download
 
-    path = snapshot_download(
-        repo_id=match["repo"], revision=match["revision"], local_dir=args.directory
-    )
+    if match["file"]:
+        path = hf_hub_download(
+            repo_id=match["repo"],
+            filename=match["file"],
+            revision=match["revision"],
+            local_dir=args.directory,
+        )
+    else:
+        path = snapshot_download(
+            repo_id=match["repo"], revision=match["revision"], local_dir=args.directory
+        )
     print(path)
     return 0
 

@@ -209,14 +209,15 @@ def build_pod_template(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
     else:
         volumes.append({"name": "model", "emptyDir": {}})
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
-        model_path = f"{MODEL_DIR}/{source.path}"
+        download_dir = f"{MODEL_DIR}/{source.path}"
+        model_path = f"{download_dir}/{source.file}" if source.file else download_dir
         init_containers.append(
             {
                 "name": "download",
                 "image": spec.image,
                 "imagePullPolicy": spec.image_pull_policy,
                 "command": ["pagedllm", "download"],
-                "args": [f"hf://{source.path}", model_path],
+                "args": [source.hub_uri, download_dir],
                 "env": [*_writable_dirs_env(), *[dict(e) for e in spec.env]],
                 "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, *_writable_mounts()],
                 "securityContext": _container_security_context(),
