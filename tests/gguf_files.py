@@ -5,6 +5,7 @@ its rope layout, 2-D weights quantized, and the tokenizer as ``tokenizer.ggml.*`
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,9 @@ def write_gguf(
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(head_dim)
-    rope = config.get("rope_parameters") or {}
-    writer.add_rope_freq_base(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = config.get("rope_theta") or rope.get("rope_theta", 10000.0)
+    writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     if tokenizer:
@@ -65,11 +67,30 @@ def write_gguf(
             values = llama_cpp_permute(values, kv_heads)
         kind = weight_type if values.ndim == 2 else GGMLQuantizationType.F32
         writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, theta, head_dim))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp's converter writes for Llama 3.1's rope scaling."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    factors = []
+    for index in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (index / head_dim)
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, config: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from pagedllm.models import ModelLoadError
 if TYPE_CHECKING:
     from pagedllm.models.config import ModelConfig
     from pagedllm.models.gguf_reader import GGUFContents
+    from pagedllm.models.layers import RopeScaling
 
 GGUF_SUFFIX = ".gguf"
 # GGUF architecture (general.architecture) -> the Hugging Face architecture that serves it.
@@ -162,11 +163,6 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
     arch = file.architecture()
     file.check_tensor_types()
     tensors = file.tensor_types
-    if "rope_freqs.weight" in tensors:
-        raise ModelLoadError(
-            f"{file.path}: per-dimension rope frequency factors (rope_freqs.weight, Llama 3.1 "
-            "style rope scaling) are not supported in GGUF files"
-        )
     num_heads = file.integer(f"{arch}.attention.head_count")
     hidden_size = file.integer(f"{arch}.embedding_length")
     head_dim = file.integer(f"{arch}.attention.key_length", hidden_size // num_heads)
@@ -203,7 +199,33 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
         "torch_dtype": file.torch_dtype(),
     }
     config = parse_model_config(raw, {}, file.path.parent, source=file.path)
+    factors = _rope_frequency_factors(file, head_dim)
+    if factors is not None:
+        if config.rope_scaling is not None:
+            raise ModelLoadError(
+                f"{file.path}: both rope_freqs.weight and {arch}.rope.scaling.type "
+                f"{file.value(f'{arch}.rope.scaling.type')!r} scale the rotary frequencies"
+            )
+        config = dataclasses.replace(config, rope_scaling=factors)
     return dataclasses.replace(config, gguf_file=file.path)
+
+
+def _rope_frequency_factors(file: GGUFFile, head_dim: int) -> RopeScaling | None:
+    """The per-frequency divisors of ``rope_freqs.weight`` (Llama 3.1 and later), if any."""
+    from gguf import quants
+
+    from pagedllm.models.layers import FrequencyFactorRopeScaling
+
+    tensor = file.contents.tensors.get("rope_freqs.weight")
+    if tensor is None:
+        return None
+    factors = quants.dequantize(tensor.data, tensor.type).reshape(-1)
+    if factors.shape != (head_dim // 2,) or not (factors > 0).all():
+        raise ModelLoadError(
+            f"{file.path}: rope_freqs.weight must hold {head_dim // 2} positive factors, "
+            f"got shape {list(tensor.shape)}"
+        )
+    return FrequencyFactorRopeScaling(tuple(float(f) for f in factors))
 
 
 def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:

@@ -23,15 +23,17 @@ from pagedllm.models import ModelLoadError, cpu_linear
 from pagedllm.models.config import read_model_config
 from pagedllm.models.gguf import SUPPORTED_TENSOR_TYPES, GGUFFile, find_gguf_file
 from pagedllm.models.gguf_weights import dequantize, unpermute_rotary_rows
+from pagedllm.models.layers import FrequencyFactorRopeScaling
 from pagedllm.models.loader import load_model
 from tests.gguf_files import llama_cpp_permute, write_gguf, write_tensors
 from tests.models.test_models import (
+    CASES,
     assert_logits_match,
     hf_logits,
     paged_logits,
     token_sequences,
 )
-from tests.tiny_models import save_engine_model
+from tests.tiny_models import save_engine_model, save_hf_model
 
 # Four query heads over two KV heads, an untied head (output.weight), a vocabulary the demo
 # tokenizer's ids fit in.
@@ -124,6 +126,16 @@ def test_float32_file_loads_the_exact_weights(tiny_dir, tmp_path):
     assert loaded.keys() == expected.keys()
     for name, value in loaded.items():
         assert torch.equal(value, expected[name]), name
+
+
+def test_llama3_rope_scaling_comes_as_frequency_factors(tmp_path):
+    hf_model = save_hf_model(tmp_path / "hf", CASES["llama-rope-llama3"])
+    path = write_gguf(tmp_path / "hf", tmp_path / "llama3.gguf", tokenizer=False)
+    config = read_model_config(path)
+    assert isinstance(config.rope_scaling, FrequencyFactorRopeScaling)
+    ours, _ = load_model(path, dtype="float32")
+    tokens = token_sequences()
+    assert_logits_match(paged_logits(ours, tokens, 8), hf_logits(hf_model, tokens))
 
 
 def test_unpermute_inverts_llama_cpp_permute():
