@@ -151,14 +151,13 @@ class KVEventFeed:
             if self.layout is not None:
                 self.heartbeat()
 
-    async def stream(self, snapshot: bytes, subscriber: Subscription) -> AsyncIterator[bytes]:
-        """The lines of one subscription, until the feed drops or ends it."""
-        try:
-            yield snapshot
-            while (line := await subscriber.lines.get()) is not None:
-                yield line
-        finally:
-            self.unsubscribe(subscriber)
+    @staticmethod
+    async def stream(snapshot: bytes, subscriber: Subscription) -> AsyncIterator[bytes]:
+        """The lines of one subscription, until the feed drops or ends it (whoever streams
+        them unsubscribes when the client leaves first)."""
+        yield snapshot
+        while (line := await subscriber.lines.get()) is not None:
+            yield line
 
 
 def _line(value: dict[str, Any]) -> bytes:
