@@ -16,6 +16,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from pagedllm.operator.spec import InvalidSpec, parse_quantity
+
 APPLIED_ANNOTATION = "pagedllm.io/applied-fingerprint"
 
 # Set in the manifest but not in list items of a real API server (typed lists leave them out).
@@ -36,6 +38,23 @@ def stamped(manifest: Mapping[str, Any]) -> dict[str, Any]:
         APPLIED_ANNOTATION: fingerprint(manifest),
     }
     return result
+
+
+# Fields holding quantities, which the API server stores in canonical form (cpu: 2 reads
+# back "2", 0.5 reads back "500m", 1536Mi reads back "1536Mi" but 1.5Gi does too).
+_QUANTITY_PARENTS = frozenset({"limits", "requests"})
+_QUANTITY_FIELDS = frozenset({"averageValue"})
+
+
+def _same_quantity(wanted: Any, live: Any) -> bool:
+    if isinstance(wanted, bool) or isinstance(live, bool):
+        return False
+    if not isinstance(wanted, (int, float, str)) or not isinstance(live, (int, float, str)):
+        return False
+    try:
+        return parse_quantity(wanted) == parse_quantity(live)
+    except InvalidSpec:
+        return False
 
 
 def _empty(value: Any) -> bool:
@@ -66,7 +85,11 @@ def _difference(wanted: Any, live: Any, path: str) -> str | None:
             if found is not None:
                 return found
         return None
-    return None if wanted == live else path
+    if wanted == live:
+        return None
+    parent, _, key = path.rpartition("/")
+    in_quantity = key in _QUANTITY_FIELDS or parent.rpartition("/")[2] in _QUANTITY_PARENTS
+    return None if in_quantity and _same_quantity(wanted, live) else path
 
 
 def first_difference(manifest: Mapping[str, Any], live: Mapping[str, Any] | None) -> str | None:

@@ -86,3 +86,22 @@ def test_a_spec_change_touches_only_the_children_it_changes() -> None:
         if first_difference(manifest, as_served(before[key])) is not None
     }
     assert changed == {"Deployment/llama-router"}
+
+
+def test_quantities_compare_by_value() -> None:
+    """The API server canonicalizes quantities; the same amount written another way is no
+    difference, another amount is."""
+    deployment = children(resources={"limits": {"cpu": 2, "memory": "1.5Gi"}})["Deployment/llama"]
+    live = as_served(deployment)
+    resources = live["spec"]["template"]["spec"]["containers"][0]["resources"]
+    resources["limits"] = {"cpu": "2", "memory": "1536Mi"}
+    assert first_difference(deployment, live) is None
+    resources["limits"] = {"cpu": "2500m", "memory": "1536Mi"}
+    assert first_difference(deployment, live) == (
+        "/spec/template/spec/containers/0/resources/limits/cpu"
+    )
+    # Elsewhere a number and its string are different values.
+    service = children()["Service/llama"]
+    live = as_served(service)
+    live["spec"]["ports"][0]["port"] = str(live["spec"]["ports"][0]["port"])
+    assert first_difference(service, live) == "/spec/ports/0/port"
