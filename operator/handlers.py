@@ -119,7 +119,7 @@ async def _resync_one(
         logger.exception("resync of %s/%s failed", namespace, name)
 
 
-async def _snapshots(ctx: OperatorContext, namespaces: set[str]) -> dict[str, Snapshot]:
+async def _snapshots(ctx: OperatorContext, namespaces: list[str]) -> dict[str, Snapshot]:
     """One list per child kind (and of pods) per namespace; a namespace whose lists fail is
     reconciled on reads of its own objects instead."""
     snapshots: dict[str, Snapshot] = {}
@@ -138,7 +138,7 @@ async def _snapshots(ctx: OperatorContext, namespaces: set[str]) -> dict[str, Sn
     ):
         if isinstance(listed, Snapshot):
             snapshots[namespace] = listed
-        elif isinstance(listed, KubeError):
+        elif isinstance(listed, Exception):  # e.g. RBAC without list on a child kind
             logger.warning("resync reads %s one object at a time: %s", namespace, listed)
         else:
             raise listed
@@ -151,7 +151,7 @@ async def resync(ctx: OperatorContext) -> None:
     nothing is written."""
     started = time.monotonic()
     tracked = list(ctx.tracked.items())
-    snapshots = await _snapshots(ctx, {namespace for _, (namespace, _) in tracked})
+    snapshots = await _snapshots(ctx, sorted({namespace for _, (namespace, _) in tracked}))
     await asyncio.gather(
         *(
             _resync_one(ctx, uid, namespace, name, snapshots.get(namespace))
