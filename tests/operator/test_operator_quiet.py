@@ -76,13 +76,15 @@ def quiet_resync(
         try:
             second = resync_starts(log, first + 1, 1, starts_resync)[0]
         except AssertionError:
-            break  # a resync this long is writing
+            break  # a resync this long is not a quiet one
         if not any(r.mutating for r in by_operator(log.records[first:second])):
             return second
         first = second
-    writes = Counter(f"{r.method} {r.path}" for r in by_operator(log.since(first)) if r.mutating)
+    window = by_operator(log.since(first))
+    writes = Counter(f"{r.method} {r.path}" for r in window if r.mutating)
     raise AssertionError(
-        f"every resync writes; the last one {sum(writes.values())} times, e.g. {list(writes)[:3]}"
+        f"no resync without writes: the last one (finished or not) sent "
+        f"{sum(writes.values())} writes, e.g. {list(writes)[:3]}, among {len(window)} requests"
     )
 
 
