@@ -146,8 +146,9 @@ def test_steady_state_resyncs_write_nothing(
     record_property("reads_per_resync_per_pagedllm", reads_per_resync / COUNT)
     record_property("cpu_seconds_per_resync", cpu / RESYNCS)
     assert not mutating, f"writes at steady state: {dict(mutating)}"
-    # One list per child kind and one of pods, not a call per PagedLLM or per child.
-    assert reads_per_resync <= 10, dict(reads)
+    # One list per child kind and one of pods (8), not a call per PagedLLM or per child; the
+    # lists run concurrently, so the window's edges may cut a resync's lists in two.
+    assert reads_per_resync <= 16, dict(reads)
 
     # A spec change still reaches the children: exactly the one it changes.
     since = len(log)
