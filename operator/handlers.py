@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import kopf
@@ -12,7 +13,8 @@ import kopf
 from pagedllm.operator.children import LABEL_MANAGED_BY, OPERATOR_NAME
 from pagedllm.operator.config import OperatorConfig
 from pagedllm.operator.kube import KubeClient, KubeError
-from pagedllm.operator.reconcile import OperatorContext, reconcile
+from pagedllm.operator.live import Snapshot, read_snapshot
+from pagedllm.operator.reconcile import OperatorContext, Seen, reconcile
 from pagedllm.operator.spec import GROUP, KIND, PLURAL, VERSION, InvalidSpec
 
 DOMAIN = GROUP  # kopf's annotations and finalizer live under our own domain
@@ -90,13 +92,18 @@ def track(event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> N
         ctx.forget(meta["uid"])
     else:
         ctx.tracked[meta["uid"]] = (meta["namespace"], meta["name"])
+        ctx.seen[meta["uid"]] = event["object"]
 
 
-async def _resync_one(ctx: OperatorContext, uid: str, namespace: str, name: str) -> None:
+async def _resync_one(
+    ctx: OperatorContext, uid: str, namespace: str, name: str, snapshot: Snapshot | None
+) -> None:
     if uid in ctx.backing_off:
         return  # the change handler is retrying it with backoff
+    body = ctx.seen.get(uid)
+    seen = None if snapshot is None or body is None else Seen(body, snapshot)
     try:
-        await reconcile(ctx, namespace, name, autoscaling=True)
+        await reconcile(ctx, namespace, name, autoscaling=True, seen=seen)
     except InvalidSpec:
         pass  # recorded in status and an Event
     except KubeError as error:
@@ -112,17 +119,59 @@ async def _resync_one(ctx: OperatorContext, uid: str, namespace: str, name: str)
         logger.exception("resync of %s/%s failed", namespace, name)
 
 
+async def _snapshots(ctx: OperatorContext, namespaces: list[str]) -> dict[str, Snapshot]:
+    """One list per child kind (and of pods) per namespace; a namespace whose lists fail is
+    reconciled on reads of its own objects instead."""
+    snapshots: dict[str, Snapshot] = {}
+    try:
+        monitors = await ctx.service_monitors_available()
+    except KubeError as error:
+        logger.warning("resync reads objects one by one: %s", error)
+        return snapshots
+    for namespace, listed in zip(
+        namespaces,
+        await asyncio.gather(
+            *(read_snapshot(ctx.kube, namespace, monitors) for namespace in namespaces),
+            return_exceptions=True,
+        ),
+        strict=True,
+    ):
+        if isinstance(listed, Snapshot):
+            snapshots[namespace] = listed
+        elif isinstance(listed, Exception):  # e.g. RBAC without list on a child kind
+            logger.warning("resync reads %s one object at a time: %s", namespace, listed)
+        else:
+            raise listed
+    return snapshots
+
+
+async def resync(ctx: OperatorContext) -> None:
+    """Reconcile and autoscale each served PagedLLM, checking first against the PagedLLM as
+    watched and a snapshot of its namespace: at steady state that is the only read, and
+    nothing is written."""
+    started = time.monotonic()
+    tracked = list(ctx.tracked.items())
+    snapshots = await _snapshots(ctx, sorted({namespace for _, (namespace, _) in tracked}))
+    await asyncio.gather(
+        *(
+            _resync_one(ctx, uid, namespace, name, snapshots.get(namespace))
+            for uid, (namespace, name) in tracked
+        )
+    )
+    logger.debug(
+        "resync of %d PagedLLMs in %d namespaces took %.2fs",
+        len(tracked),
+        len(snapshots),
+        time.monotonic() - started,
+    )
+
+
 async def _resync_forever(ctx: OperatorContext) -> None:
     """The timer: every resync period, reconcile and autoscale each served PagedLLM (the
-    level-based safety net: children deleted by hand, pods' state, the load)."""
+    level-based safety net: children deleted or changed by hand, pods' state, the load)."""
     while True:
         await asyncio.sleep(ctx.config.resync_seconds)
-        await asyncio.gather(
-            *(
-                _resync_one(ctx, uid, namespace, name)
-                for uid, (namespace, name) in list(ctx.tracked.items())
-            )
-        )
+        await resync(ctx)
 
 
 def _owner_name(meta: kopf.Meta) -> str | None:

@@ -16,13 +16,16 @@ from pagedllm.operator.children import (
     Owner,
     build_children,
     router_name,
-    router_selector_string,
+    router_selector_labels,
+    selector_labels,
     selector_string,
     selects_routers,
     service_url,
 )
 from pagedllm.operator.config import OperatorConfig
+from pagedllm.operator.drift import first_difference, stamped
 from pagedllm.operator.kube import KubeClient, now_rfc3339
+from pagedllm.operator.live import FreshReads, Live, Snapshot
 from pagedllm.operator.pod_metrics import is_ready, read_ready_pods
 from pagedllm.operator.spec import (
     API_VERSION,
@@ -58,6 +61,8 @@ class OperatorContext:
     autoscalers: dict[str, AutoscalerState] = field(default_factory=dict)
     # uid -> (namespace, name) of every PagedLLM served, for the resync timer.
     tracked: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # uid -> the latest body the watch delivered: what a resync checks before reading anew.
+    seen: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     # PagedLLMs whose spec cannot be served: kopf retries them with backoff, resync skips.
     backing_off: set[str] = field(default_factory=set)
     # (when looked up, whether the ServiceMonitor CRD exists)
@@ -70,6 +75,7 @@ class OperatorContext:
         where = self.tracked.pop(uid, None)
         if where is not None:
             self.locks.pop(where, None)
+        self.seen.pop(uid, None)
         self.autoscalers.pop(uid, None)
         self.backing_off.discard(uid)
 
@@ -105,71 +111,95 @@ def _owned_by(obj: Mapping[str, Any], owner: Owner) -> bool:
     )
 
 
-async def _routers_in_front(ctx: OperatorContext, owner: Owner, spec: PagedLLMSpec) -> bool:
+class _WriteNeeded(Exception):
+    """A quiet pass found something to write; the reconcile is redone on fresh reads."""
+
+
+async def _routers_in_front(live: Live, owner: Owner, spec: PagedLLMSpec) -> bool:
     """Whether the Service may select the routers: once one of them is ready, and from then
     on. Switching earlier would leave clients without an endpoint while the routers start,
     e.g. when an operator upgrade puts routers in front of a PagedLLM that already serves."""
     if not spec.router.enabled:
         return False
-    service = await ctx.kube.get("v1", "Service", owner.name, owner.namespace)
+    service = await live.get("v1", "Service", owner.name)
     if selects_routers(service, owner.name):
         return True
-    routers = await ctx.kube.get("apps/v1", "Deployment", router_name(owner.name), owner.namespace)
+    routers = await live.get("apps/v1", "Deployment", router_name(owner.name))
     return ((routers or {}).get("status") or {}).get("readyReplicas", 0) > 0
 
 
 async def _apply_children(
-    ctx: OperatorContext, owner: Owner, spec: PagedLLMSpec, replicas: int
+    ctx: OperatorContext,
+    owner: Owner,
+    spec: PagedLLMSpec,
+    replicas: int,
+    live: Live,
+    quiet: bool,
 ) -> None:
+    """Apply each child that differs from what is live, delete each one no longer wanted;
+    a child already as wanted is left alone (no request at all)."""
     children = build_children(
         owner,
         spec,
         replicas,
         await ctx.service_monitors_available(),
-        routers_in_front=await _routers_in_front(ctx, owner, spec),
+        routers_in_front=await _routers_in_front(live, owner, spec),
     )
     for manifest in children.wanted:
-        name = manifest["metadata"]["name"]
-        existing = await ctx.kube.get(
-            manifest["apiVersion"], manifest["kind"], name, owner.namespace
-        )
+        kind, name = manifest["kind"], manifest["metadata"]["name"]
+        existing = await live.get(manifest["apiVersion"], kind, name)
         if existing is not None and not _owned_by(existing, owner):
             raise InvalidSpec(
-                f'{manifest["kind"]} "{name}" already exists and belongs '
+                f'{kind} "{name}" already exists and belongs '
                 "to something else; rename the PagedLLM or remove it"
             )
-        await ctx.kube.apply(manifest)
+        wanted = stamped(manifest)
+        difference = first_difference(wanted, existing)
+        if difference is None:
+            continue
+        if quiet:
+            raise _WriteNeeded
+        if existing is None:
+            logger.debug("%s/%s: creating %s %s", owner.namespace, owner.name, kind, name)
+        else:
+            logger.info(
+                "%s/%s: updating %s %s (%s differs)",
+                owner.namespace,
+                owner.name,
+                kind,
+                name,
+                difference,
+            )
+        await ctx.kube.apply(wanted)
     for ref in children.unwanted:
-        existing = await ctx.kube.get(ref.api_version, ref.kind, ref.name, owner.namespace)
+        existing = await live.get(ref.api_version, ref.kind, ref.name)
         if existing is not None and _owned_by(existing, owner):
+            if quiet:
+                raise _WriteNeeded
             await ctx.kube.delete(ref.api_version, ref.kind, ref.name, owner.namespace)
 
 
-async def _pods(ctx: OperatorContext, owner: Owner) -> list[dict[str, Any]]:
-    return await ctx.kube.list("v1", "Pod", owner.namespace, selector_string(owner.name))
-
-
-async def _observe(ctx: OperatorContext, owner: Owner, spec: PagedLLMSpec) -> Observed:
-    deployment = await ctx.kube.get("apps/v1", "Deployment", owner.name, owner.namespace)
-    observed = Observed(deployment=deployment, pods=await _pods(ctx, owner))
+async def _observe(live: Live, owner: Owner, spec: PagedLLMSpec) -> Observed:
+    deployment = await live.get("apps/v1", "Deployment", owner.name)
+    observed = Observed(deployment=deployment, pods=await live.pods(selector_labels(owner.name)))
     if not spec.router.enabled:
         return observed
     router = RouterObserved(
         wanted=spec.router.replicas,
-        deployment=await ctx.kube.get(
-            "apps/v1", "Deployment", router_name(owner.name), owner.namespace
-        ),
-        pods=await ctx.kube.list("v1", "Pod", owner.namespace, router_selector_string(owner.name)),
+        deployment=await live.get("apps/v1", "Deployment", router_name(owner.name)),
+        pods=await live.pods(router_selector_labels(owner.name)),
     )
     return dataclasses.replace(observed, router=router)
 
 
 async def _write_status(
-    ctx: OperatorContext, body: Mapping[str, Any], status: dict[str, Any]
+    ctx: OperatorContext, body: Mapping[str, Any], status: dict[str, Any], quiet: bool = False
 ) -> None:
     previous = body.get("status") or {}
     if all(previous.get(key) == value for key, value in status.items()):
         return
+    if quiet:
+        raise _WriteNeeded
     metadata = body["metadata"]
     await ctx.kube.merge_patch(
         API_VERSION,
@@ -189,33 +219,79 @@ async def _write_status(
         )
 
 
+@dataclass(frozen=True)
+class Seen:
+    """What a resync already holds about a PagedLLM: its body as the watch last delivered it
+    and its namespace's snapshot."""
+
+    body: Mapping[str, Any]
+    snapshot: Snapshot
+
+
+async def _is_quiet(ctx: OperatorContext, seen: Seen) -> bool:
+    """Whether reconciling on what was seen would write nothing. Stale knowledge is safe
+    here: it can only make a write look needed (then the reconcile reads anew), or miss a
+    change whose own event reconciles it anyway."""
+    if seen.body["metadata"].get("deletionTimestamp"):
+        return True
+    try:
+        await _reconcile(ctx, seen.body, seen.snapshot, quiet=True)
+    except (_WriteNeeded, InvalidSpec):
+        return False
+    return True
+
+
+def _operator_autoscaled(body: Mapping[str, Any]) -> bool:
+    scaling = parse_spec(body.get("spec") or {}).autoscaling
+    return scaling is not None and scaling.mode is AutoscalingMode.OPERATOR
+
+
 async def reconcile(
-    ctx: OperatorContext, namespace: str, name: str, *, autoscaling: bool = False
+    ctx: OperatorContext,
+    namespace: str,
+    name: str,
+    *,
+    autoscaling: bool = False,
+    seen: Seen | None = None,
 ) -> None:
     """Make the children match the spec and the status match the children; with
     `autoscaling`, then take one autoscaler step.
 
-    One at a time per PagedLLM, each on a fresh read: a reconcile that waited for another
-    must not act on what that one has just changed (e.g. apply replicas from before /scale).
+    One at a time per PagedLLM, each write on a fresh read: a reconcile that waited for
+    another must not act on what that one has just changed (e.g. apply replicas from before
+    /scale). With `seen` (the resync), what was seen is checked first, and when it needs no
+    write, nothing is read at all (the autoscaler still reads the PagedLLM and its pods).
     Raises InvalidSpec (after recording it in status) for a spec that cannot be served."""
     async with ctx.lock(namespace, name):
+        if seen is not None and await _is_quiet(ctx, seen):
+            if autoscaling and _operator_autoscaled(seen.body):
+                body = await ctx.kube.get(API_VERSION, KIND, name, namespace)
+                if body is not None and not body["metadata"].get("deletionTimestamp"):
+                    await _autoscale(ctx, body, seen.snapshot)
+            return
         body = await ctx.kube.get(API_VERSION, KIND, name, namespace)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
-        await _reconcile(ctx, body)
+        live = FreshReads(ctx.kube, namespace)
+        await _reconcile(ctx, body, live)
         if autoscaling:
-            await _autoscale(ctx, body)
+            await _autoscale(ctx, body, live)
 
 
-async def _reconcile(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
+async def _reconcile(
+    ctx: OperatorContext, body: Mapping[str, Any], live: Live, *, quiet: bool = False
+) -> None:
+    """With `quiet`, raise _WriteNeeded instead of writing anything."""
     owner = Owner.from_body(body)
     generation = body["metadata"].get("generation", 1)
     try:
         spec = parse_spec(body.get("spec") or {})
         await _check_references(ctx.kube, owner, spec)
         replicas = effective_replicas(spec)
-        await _apply_children(ctx, owner, spec, replicas)
+        await _apply_children(ctx, owner, spec, replicas, live, quiet)
     except InvalidSpec as error:
+        if quiet:
+            raise
         status = compute_status(
             generation=generation,
             desired=0,
@@ -228,7 +304,7 @@ async def _reconcile(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
         )
         await _write_status(ctx, body, status)
         raise
-    observed = await _observe(ctx, owner, spec)
+    observed = await _observe(live, owner, spec)
     status = compute_status(
         generation=generation,
         desired=replicas,
@@ -238,10 +314,10 @@ async def _reconcile(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
         previous=body.get("status") or {},
         now=now_rfc3339(),
     )
-    await _write_status(ctx, body, status)
+    await _write_status(ctx, body, status, quiet)
 
 
-async def _autoscale(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
+async def _autoscale(ctx: OperatorContext, body: Mapping[str, Any], live: Live) -> None:
     """One step of the built-in autoscaler: read the pods' load, maybe write /scale."""
     spec = parse_spec(body.get("spec") or {})
     scaling = spec.autoscaling
@@ -250,7 +326,7 @@ async def _autoscale(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
         ctx.autoscalers.pop(owner.uid, None)
         return
     current = effective_replicas(spec)
-    pods = await _pods(ctx, owner)
+    pods = await live.pods(selector_labels(owner.name))
     per_pod = await read_ready_pods(
         pods, scaling.metric.prometheus_name, ctx.config.metrics_timeout_seconds
     )

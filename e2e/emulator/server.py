@@ -22,6 +22,7 @@ from e2e.emulator.patches import (
     merge_patch,
     strategic_merge_patch,
 )
+from e2e.emulator.requests import REQUESTS_PATH, RecordedRequest, RequestLog, summary
 from e2e.emulator.resources import BUILTIN_TYPES, SCALE_SUBRESOURCE, ResourceType
 from e2e.emulator.routing import ResourceRequest, parse_resource_path
 from e2e.emulator.selectors import Selection, parse_field_selector, parse_label_selector
@@ -93,6 +94,7 @@ class EmulatorServer:
         self.app.router.add_route("*", "/{tail:.*}", self.handle)
         self.runner: web.AppRunner | None = None
         self.url = ""
+        self.requests = RequestLog()
         self._stopping = asyncio.Event()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -112,6 +114,16 @@ class EmulatorServer:
             await self.runner.cleanup()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.path.rstrip("/") or "/"
+        if path != REQUESTS_PATH:  # reading the log is not a request worth counting
+            self.requests.record(
+                RecordedRequest(
+                    request.method,
+                    path,
+                    truthy(request.query.get("watch")),
+                    request.headers.get("User-Agent", ""),
+                )
+            )
         try:
             return await self._dispatch(request)
         except ApiError as error:
@@ -282,6 +294,12 @@ class EmulatorServer:
     def _non_resource(self, request: web.Request, path: str) -> web.Response | None:
         if path in HEALTH_PATHS:
             return web.Response(text="ok")
+        if path == REQUESTS_PATH:
+            try:
+                since = int(request.query.get("since", "0"))
+            except ValueError:
+                raise bad_request("since must be an integer") from None
+            return _json(summary(self.requests, since))
         if path == "/openapi/v2":
             return self._openapi_v2(request)
         if path == "/openapi/v3":

@@ -142,15 +142,22 @@ def pagedllm(name: str, spec: dict[str, Any]) -> dict[str, Any]:
 class OperatorProcess:
     """The operator as users run it, in a child process, logging to a file."""
 
-    def __init__(self, kubeconfig: Path, workdir: Path, command: list[str]):
+    def __init__(
+        self,
+        kubeconfig: Path,
+        workdir: Path,
+        command: list[str],
+        env: dict[str, str] | None = None,
+    ):
         self.kubeconfig = kubeconfig
         self.workdir = workdir
         self.command = command
+        self.env = env or {}  # over OPERATOR_ENV
         self.log_path = workdir / "operator.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        env = {**os.environ, **OPERATOR_ENV, "KUBECONFIG": str(self.kubeconfig)}
+        env = {**os.environ, **OPERATOR_ENV, **self.env, "KUBECONFIG": str(self.kubeconfig)}
         log = self.log_path.open("ab")
         # The working directory is not the repository root: there, the folder operator/
         # would shadow the standard library's `operator` module.
@@ -170,6 +177,13 @@ class OperatorProcess:
         code = self.process.wait(timeout=20)
         self.process = None
         return code
+
+    def cpu_seconds(self) -> float:
+        """User and system CPU time the process has used (its threads' included)."""
+        assert self.process is not None
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rpartition(")")[2].split()
+        # utime and stime are fields 14 and 15 of stat(5); the split starts at field 3.
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

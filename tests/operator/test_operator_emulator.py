@@ -332,3 +332,22 @@ def test_runs_standalone_with_a_kubeconfig(tmp_path: Any) -> None:
     finally:
         server.terminate()
         assert server.wait(timeout=10) == 0
+
+
+def test_requests_are_counted_by_verb_and_path(kube: Kube) -> None:
+    since = kube.request("GET", "/emulator/requests")["total"]
+    kube.create(DEPLOYMENTS, deployment("counted"))
+    kube.get(f"{DEPLOYMENTS}/counted")
+    kube.merge(f"{DEPLOYMENTS}/counted", {"spec": {"replicas": 2}})
+    kube.list(DEPLOYMENTS)
+    answer = kube.request("GET", "/emulator/requests", since=str(since))
+    assert answer["total"] == since + 4  # reading the counts is not counted
+    assert answer["counts"] == {
+        f"POST {DEPLOYMENTS}": 1,
+        f"GET {DEPLOYMENTS}/counted": 1,
+        f"PATCH {DEPLOYMENTS}/counted": 1,
+        f"GET {DEPLOYMENTS}": 1,
+    }
+    with pytest.raises(KubeError) as bad:
+        kube.request("GET", "/emulator/requests", since="x")
+    assert bad.value.status == 400

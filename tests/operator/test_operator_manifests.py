@@ -16,6 +16,7 @@ from pagedllm.operator.children import (
     build_children,
     build_router_rbac,
 )
+from pagedllm.operator.live import CHILD_KINDS, SERVICE_MONITOR_KIND
 from pagedllm.operator.spec import parse_spec
 from tests.operator.operator_harness import REPO
 
@@ -49,8 +50,11 @@ def _resource(api_version: str, kind: str) -> tuple[str, str]:
 
 def children_calls() -> set[tuple[str, str, str]]:
     """The calls reconcile makes on children: get and apply (create, patch) of what any spec
-    wants, get and delete of what it no longer wants."""
-    calls = set()
+    wants, get and delete of what it no longer wants; and the resync's list of every kind."""
+    calls = {
+        (*_resource(api_version, kind), "list")
+        for api_version, kind in (*CHILD_KINDS, SERVICE_MONITOR_KIND, ("v1", "Pod"))
+    }
     for enabled in (True, False):
         spec = parse_spec(
             {
