@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import httpx
 import pytest
 
 from e2e.client_checks import MAX_TOKENS, KeepStreaming, Load, run_checks
+from e2e.client_checks import client as openai_client
 from e2e.deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
 from e2e.kubelet_standin import HOST_PORTS_ANNOTATION
 from e2e.local_cluster import NAMESPACE, REPO, LocalCluster, eventually
@@ -39,8 +41,9 @@ PLLM = f"/apis/pagedllm.io/v1alpha1/namespaces/{NAMESPACE}/pagedllms/{NAME}"
 PODS = f"/api/v1/namespaces/{NAMESPACE}/pods"
 # The autoscaling phase: a batch of two makes queue depth easy to reach on the demo model.
 ROLLOUT_MAX_NUM_SEQS = 2
+# Scale to zero when idle, and back from zero on the next request (held by the routers).
 AUTOSCALING = {
-    "minReplicas": 1,
+    "minReplicas": 0,
     "maxReplicas": 3,
     "metric": "waitingRequests",
     "target": 2,
@@ -244,7 +247,7 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
     ):
         kill_a_router(cluster, base_url, steps)
 
-    with steps("autoscaling (min 1, max 3, waitingRequests): idle, it goes down to min"):
+    with steps("autoscaling (min 0, max 3, waitingRequests): idle, it scales to zero"):
         cluster.kubectl(
             "patch",
             "pllm",
@@ -253,7 +256,13 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
             "-p",
             json.dumps({"spec": {"autoscaling": AUTOSCALING}}),
         )
-        eventually(lambda: ready_with(cluster, 1), timeout=90, what="1 replica (the minimum)")
+        eventually(lambda: scaled_to_zero(cluster), timeout=90, what="zero replicas")
+        steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
+
+    with steps(
+        "at zero, a stream through the Service is held by a router, a pod starts, it completes"
+    ):
+        held_stream_wakes_it(cluster, base_url, steps)
 
     with steps(
         f"a load generator ({LOAD_CLIENTS} streaming clients) raises queue depth: replicas grow"
@@ -273,8 +282,8 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
             steps.say(f"   {grown} replicas serve")
         assert load.stats.requests > 0
 
-    with steps("load stops: back to min after scaleDownDelaySeconds"):
-        eventually(lambda: ready_with(cluster, 1), timeout=120, what="back to 1 replica")
+    with steps("load stops: back to zero after scaleDownDelaySeconds"):
+        eventually(lambda: scaled_to_zero(cluster), timeout=120, what="back to zero")
         steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
 
     with steps("kubectl delete pllm/demo: pods, routers and Services gone, no process left"):
@@ -299,6 +308,70 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         eventually(
             lambda: not cluster.pod_processes(), timeout=30, what="every pod process to exit"
         )
+
+
+def scaled_to_zero(cluster: LocalCluster) -> dict[str, Any] | None:
+    """The PagedLLM once it is at zero replicas with no serving pod left (not even a stopping
+    one) and its routers ready to hold what comes."""
+    body = pagedllm(cluster)
+    status = body.get("status") or {}
+    if (
+        body["spec"].get("replicas") == 0
+        and status.get("observedGeneration") == body["metadata"]["generation"]
+        and not status.get("readyReplicas")
+        and not pods(cluster)
+        and len(ready_routers(cluster)) == ROUTERS
+        and condition(body, "Ready").get("reason") == "ScaledToZero"
+    ):
+        return body
+    return None
+
+
+def held_requests(cluster: LocalCluster) -> float:
+    """Requests the routers hold for a ready serving pod, all together."""
+    return sum(
+        pod_metric(router, "pagedllm:router_held_requests") for router in ready_routers(cluster)
+    )
+
+
+def held_stream_wakes_it(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
+    """One streaming completion sent while nothing serves: a router holds it and writes /scale,
+    the pod starts, and the stream runs to its end with no error and no retry."""
+    api = openai_client(base_url, None, timeout=300)
+    pieces: list[str] = []
+    finish: list[str | None] = []
+    first_token: list[float] = []
+
+    def stream() -> None:
+        sent = time.monotonic()
+        for chunk in api.completions.create(
+            model=MODEL, prompt="Wake up,", max_tokens=MAX_TOKENS, temperature=0, stream=True
+        ):
+            for choice in chunk.choices:
+                if not first_token and choice.text:
+                    first_token.append(time.monotonic() - sent)
+                pieces.append(choice.text)
+                finish.append(choice.finish_reason)
+
+    with ThreadPoolExecutor(1) as pool:
+        sent_at = time.monotonic()
+        answer = pool.submit(stream)
+        eventually(lambda: held_requests(cluster) == 1, timeout=30, what="a router to hold it")
+        steps.say(f"   held after {time.monotonic() - sent_at:.1f} s while 0 pods serve")
+        eventually(
+            lambda: pagedllm(cluster)["spec"]["replicas"] >= 1,
+            timeout=30,
+            what="the PagedLLM to be scaled from zero",
+        )
+        answer.result(timeout=240)
+    text = "".join(pieces)
+    assert text and finish[-1] in ("stop", "length"), (pieces, finish)
+    assert first_token, "no token came"
+    steps.say(
+        f"   first token {first_token[0]:.1f} s after the request (a pod's whole start), "
+        f"{len([p for p in pieces if p])} chunks, finish_reason {finish[-1]}"
+    )
+    eventually(lambda: ready_with(cluster, 1), timeout=60, what="1 replica serving")
 
 
 def scaled_up_and_serving(cluster: LocalCluster) -> int | None:

@@ -23,7 +23,7 @@ from pagedllm.operator.children import (
 )
 from pagedllm.operator.config import OperatorConfig
 from pagedllm.operator.kube import KubeClient, now_rfc3339
-from pagedllm.operator.pod_metrics import is_ready, read_ready_pods
+from pagedllm.operator.pod_metrics import is_ready, read_held_requests, read_ready_pods
 from pagedllm.operator.spec import (
     API_VERSION,
     KIND,
@@ -255,6 +255,12 @@ async def _autoscale(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
         pods, scaling.metric.prometheus_name, ctx.config.metrics_timeout_seconds
     )
     ready = sum(1 for pod in pods if is_ready(pod))
+    held = 0.0
+    if spec.router.enabled:
+        routers = await ctx.kube.list(
+            "v1", "Pod", owner.namespace, router_selector_string(owner.name)
+        )
+        held = await read_held_requests(routers, ctx.config.metrics_timeout_seconds)
     decision, state = decide(
         ctx.autoscalers.get(owner.uid, AutoscalerState()),
         current=current,
@@ -262,6 +268,7 @@ async def _autoscale(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
         per_pod=per_pod,
         scaling=scaling,
         now=time.monotonic(),
+        held=held,
     )
     ctx.autoscalers[owner.uid] = state
     if decision.replicas == spec.replicas:

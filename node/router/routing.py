@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.api.errors import unavailable
@@ -27,8 +28,14 @@ class Router:
     settings: RoutingSettings
     metrics: RouterMetrics
     rng: random.Random = field(default_factory=random.Random)
+    # Called when a request starts to wait (scale from zero asks for capacity then).
+    on_hold: Callable[[], None] | None = None
     _turn: int = 0
     _held: int = 0
+
+    @property
+    def held(self) -> int:
+        return self._held
 
     async def ready_backends(self) -> list[Backend]:
         """The ready backends; with none, hold the request for one (up to the limits) or
@@ -44,6 +51,8 @@ class Router:
             raise unavailable(f"no serving node is ready{detail}; retry the request", reason)
         self._held += 1
         self.metrics.held.inc()
+        if self.on_hold is not None:
+            self.on_hold()
         try:
             ready = await self.fleet.wait_ready(s.hold_timeout)
         finally:

@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from pagedllm.operator.children import (
-    ROUTER_RBAC_RULES,
     Owner,
     build_children,
     build_router_rbac,
+    router_rbac_rules,
 )
 from pagedllm.operator.spec import parse_spec
 from tests.operator.operator_harness import REPO
@@ -124,7 +124,7 @@ def test_rbac_has_no_wildcards_and_covers_every_call(rendered: list[dict[str, An
     # Kubernetes lets the operator create the routers' Role only with what it grants.
     router_grants = {
         (g, r, v)
-        for rule in ROUTER_RBAC_RULES
+        for rule in router_rbac_rules("x")
         for g in rule["apiGroups"]
         for r in rule["resources"]
         for v in rule["verbs"]
@@ -133,7 +133,7 @@ def test_rbac_has_no_wildcards_and_covers_every_call(rendered: list[dict[str, An
     assert not any(r == "secrets" for _, r, _ in granted)
 
 
-def test_routers_may_only_read_endpointslices() -> None:
+def test_routers_may_only_read_endpointslices_and_scale_their_own_pagedllm() -> None:
     spec = parse_spec({"model": {"servedName": "x"}})
     role = next(m for m in build_router_rbac(OWNER) if m["kind"] == "Role")
     assert role["rules"] == [
@@ -141,7 +141,13 @@ def test_routers_may_only_read_endpointslices() -> None:
             "apiGroups": ["discovery.k8s.io"],
             "resources": ["endpointslices"],
             "verbs": ["get", "list", "watch"],
-        }
+        },
+        {
+            "apiGroups": ["pagedllm.io"],
+            "resources": ["pagedllms/scale"],
+            "resourceNames": [OWNER.name],
+            "verbs": ["get", "patch"],
+        },
     ]
     assert "ClusterRole" not in {m["kind"] for m in build_children(OWNER, spec, 1, False).wanted}
 
