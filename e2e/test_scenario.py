@@ -15,16 +15,18 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from e2e.client_checks import MAX_TOKENS, KeepStreaming, Load, run_checks
 from e2e.client_checks import client as openai_client
 from e2e.deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
+from e2e.gitops_standin import GitOpsStandin
 from e2e.kubelet_standin import HOST_PORTS_ANNOTATION
 from e2e.local_cluster import NAMESPACE, REPO, LocalCluster, eventually
 from pagedllm.operator.autoscaler import parse_prometheus_value
@@ -247,44 +249,53 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
     ):
         kill_a_router(cluster, base_url, steps)
 
-    with steps("autoscaling (min 0, max 3, waitingRequests): idle, it scales to zero"):
-        cluster.kubectl(
-            "patch",
-            "pllm",
-            NAME,
-            "--type=merge",
-            "-p",
-            json.dumps({"spec": {"autoscaling": AUTOSCALING}}),
+    # Argo CD or Flux re-applying the repository's manifest all through the autoscaling.
+    with ExitStack() as during_autoscaling:
+        with steps("autoscaling (min 0, max 3, waitingRequests): idle, it scales to zero"):
+            patch_spec(cluster, {"autoscaling": AUTOSCALING})
+            gitops = during_autoscaling.enter_context(
+                GitOpsStandin(cluster.server, NAMESPACE, repository_manifest())
+            )
+            eventually(lambda: scaled_to_zero(cluster), timeout=90, what="zero replicas")
+            steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
+
+        with steps(
+            "at zero, a stream through the Service is held by a router, a pod starts, it completes"
+        ):
+            held_stream_wakes_it(cluster, base_url, steps)
+
+        with steps(
+            f"a load generator ({LOAD_CLIENTS} streaming clients) raises queue depth: replicas grow"
+        ):
+            with Load(base_url, MODEL, LOAD_CLIENTS) as load:
+                eventually(
+                    lambda: pagedllm(cluster)["spec"]["replicas"] > 1,
+                    timeout=60,
+                    what="the autoscaler to scale up",
+                )
+                steps.say(f"   {latest_event(cluster, 'ScaledUp')}")
+                grown = eventually(
+                    lambda: scaled_up_and_serving(cluster),
+                    timeout=150,
+                    what="the added replicas to serve",
+                )
+                steps.say(f"   {grown} replicas serve")
+            assert load.stats.requests > 0
+
+        with steps("load stops: back to zero after scaleDownDelaySeconds"):
+            eventually(lambda: scaled_to_zero(cluster), timeout=120, what="back to zero")
+            steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
+
+    with steps(
+        "GitOps stand-in (server-side apply, own field manager, no spec.replicas) meanwhile"
+    ):
+        stats = gitops.stats
+        steps.say(
+            f"   {stats.applies} applies, {stats.raced} alongside an autoscaler write; "
+            "PagedLLM and Deployment generations and replicas never moved by an apply"
         )
-        eventually(lambda: scaled_to_zero(cluster), timeout=90, what="zero replicas")
-        steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
-
-    with steps(
-        "at zero, a stream through the Service is held by a router, a pod starts, it completes"
-    ):
-        held_stream_wakes_it(cluster, base_url, steps)
-
-    with steps(
-        f"a load generator ({LOAD_CLIENTS} streaming clients) raises queue depth: replicas grow"
-    ):
-        with Load(base_url, MODEL, LOAD_CLIENTS) as load:
-            eventually(
-                lambda: pagedllm(cluster)["spec"]["replicas"] > 1,
-                timeout=60,
-                what="the autoscaler to scale up",
-            )
-            steps.say(f"   {latest_event(cluster, 'ScaledUp')}")
-            grown = eventually(
-                lambda: scaled_up_and_serving(cluster),
-                timeout=150,
-                what="the added replicas to serve",
-            )
-            steps.say(f"   {grown} replicas serve")
-        assert load.stats.requests > 0
-
-    with steps("load stops: back to zero after scaleDownDelaySeconds"):
-        eventually(lambda: scaled_to_zero(cluster), timeout=120, what="back to zero")
-        steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
+        assert not stats.problems, stats.problems
+        assert stats.applies - stats.raced >= 3, stats
 
     with steps("kubectl delete pllm/demo: pods, routers and Services gone, no process left"):
         cluster.kubectl("delete", "pllm", NAME, "--timeout=60s")
@@ -308,6 +319,21 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         eventually(
             lambda: not cluster.pod_processes(), timeout=30, what="every pod process to exit"
         )
+
+
+def patch_spec(cluster: LocalCluster, spec: dict[str, Any]) -> None:
+    """`kubectl patch --type=merge` of the PagedLLM's spec, as a user changes it."""
+    cluster.kubectl("patch", "pllm", NAME, "--type=merge", "-p", json.dumps({"spec": spec}))
+
+
+def repository_manifest() -> dict[str, Any]:
+    """The PagedLLM as a GitOps repository holds it by now: the scenario's manifest with the
+    engine setting and autoscaling the steps before added (the stand-in drops spec.replicas)."""
+    manifest = yaml.safe_load(SCENARIO.read_text())
+    manifest["metadata"]["namespace"] = NAMESPACE
+    manifest["spec"]["engine"]["maxNumSeqs"] = ROLLOUT_MAX_NUM_SEQS
+    manifest["spec"]["autoscaling"] = AUTOSCALING
+    return manifest
 
 
 def scaled_to_zero(cluster: LocalCluster) -> dict[str, Any] | None:
@@ -508,14 +534,7 @@ def rolling_update(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
         KeepStreaming(base_url, MODEL, max_tokens=LONG_STREAM_TOKENS, ignore_eos=True) as long,
     ):
         time.sleep(1)  # streaming before the rollout starts
-        cluster.kubectl(
-            "patch",
-            "pllm",
-            NAME,
-            "--type=merge",
-            "-p",
-            json.dumps({"spec": {"engine": {"maxNumSeqs": ROLLOUT_MAX_NUM_SEQS}}}),
-        )
+        patch_spec(cluster, {"engine": {"maxNumSeqs": ROLLOUT_MAX_NUM_SEQS}})
         eventually(rolled_out, timeout=240, what="the rollout to finish", interval=0.5)
         cluster.kubectl("rollout", "status", f"deployment/{NAME}", "--timeout=10s")
         time.sleep(1)  # and streaming on the new pods
