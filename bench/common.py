@@ -12,7 +12,6 @@ import os
 import platform
 import random
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -47,21 +46,9 @@ def cache_dir() -> Path:
 
 def bench_model_dir() -> Path:
     """The benchmark model's directory, written on first use (a few seconds)."""
-    target = cache_dir() / BENCH_MODEL_NAME
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{BENCH_MODEL_NAME}-", dir=target.parent))
-    try:
-        _write_bench_model(staging)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    from pagedllm.cache import cached_dir
+
+    return cached_dir(cache_dir() / BENCH_MODEL_NAME, _write_bench_model, marker="config.json")
 
 
 def _write_bench_model(directory: Path) -> None:
@@ -89,20 +76,59 @@ def _write_bench_model(directory: Path) -> None:
 
 
 def resolve_model(model: str | None) -> Path:
-    return Path(model) if model else bench_model_dir()
+    """``--model``: a Hugging Face directory, a GGUF file (or a directory holding one), or a
+    packaged model's name (``smollm2``); the benchmark model by default."""
+    from pagedllm.config import resolve_model_dir
+
+    return Path(resolve_model_dir(model)) if model else bench_model_dir()
+
+
+def hf_model_dir(model: Path) -> Path:
+    """A Hugging Face directory of ``model``, for the engines that cannot read GGUF files
+    (transformers serve): the model itself, or a de-quantized float32 copy of a GGUF file,
+    written once under the cache."""
+    from pagedllm.cache import cached_dir
+    from pagedllm.models.gguf import find_gguf_file
+
+    gguf_file = find_gguf_file(model)
+    if gguf_file is None:
+        return model
+
+    def write(directory: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        source = {"gguf_file": gguf_file.name}
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), dtype=torch.float32, **source
+        )
+        # Marked quantized by its file, which save_pretrained refuses; the weights are
+        # already de-quantized, so a plain model takes them over.
+        config = loaded.config
+        del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(directory)
+        AutoTokenizer.from_pretrained(str(gguf_file.parent), **source).save_pretrained(directory)
+
+    stat = gguf_file.stat()
+    name = f"hf-copy-{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    return cached_dir(cache_dir() / name, write, marker="config.json")
 
 
 def model_summary(model_dir: Path) -> dict[str, Any]:
-    config = json.loads((model_dir / "config.json").read_text())
-    hidden = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv_heads = config.get("num_key_value_heads", heads)
-    inter = config["intermediate_size"]
-    layers = config["num_hidden_layers"]
-    vocab = config["vocab_size"]
+    from pagedllm.models.config import read_model_config
+
+    config = read_model_config(model_dir)
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = config.head_dim
+    kv_heads = config.num_key_value_heads
+    inter = config.intermediate_size
+    layers = config.num_hidden_layers
+    vocab = config.vocab_size
     per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter + 2 * hidden
-    embed = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    embed = vocab * hidden * (1 if config.tie_word_embeddings else 2)
     return {
         "dir": str(model_dir),
         "layers": layers,
@@ -176,7 +202,7 @@ def kv_bytes_per_token(model_dir: Path, dtype: str = "float32") -> int:
 
 
 def vocab_size(model_dir: Path) -> int:
-    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return model_summary(model_dir)["vocab_size"]
 
 
 # ----- machine and threads -------------------------------------------------------------------

@@ -2,7 +2,8 @@
 (what a Kubernetes Service does) and round robin, and the router's own cost.
 
 (a) Shared prefixes. Three nodes of the benchmark model, each pinned to its share of the cores
-    and with a KV cache that holds about 3 of the 8 system prompts (1,024 tokens each); requests
+    and with a KV cache that holds about 3 of the 8 system prompts (1,024 tokens each) besides
+    the blocks of its share of the requests in flight (their questions and outputs); requests
     are a system prompt and a 64-token question, in random order, 32 output tokens each, sent
     by a closed loop of 12 clients through the router. The router runs each policy in turn
     (``random`` is the router's own ``--policy random``, used only for comparisons: a uniform
@@ -44,6 +45,7 @@ TARGET_BUSIEST_SHARE = 1.3
 TARGET_ADDED_TTFT_MS = 2.0
 TARGET_THROUGHPUT_LOSS = 0.05
 PAGEDLLM = str(Path(sys.executable).with_name("pagedllm"))
+BLOCK_SIZE = 16  # the nodes' default
 START_TIMEOUT_S = 600
 
 
@@ -183,12 +185,26 @@ def start_router(model: Path, nodes: list[Process], policy: str, workdir: Path) 
 # ----- workload and load generator -----------------------------------------------------------
 
 
+def word_tokens(tokenizer: Any) -> list[str]:
+    """Tokens that are one word with its leading space and encode back to themselves: text
+    made of them has exactly as many tokens as words (the tokenizer never merges across a
+    space), so prompts have the lengths asked for."""
+    words = []
+    for token in range(common.FIRST_PLAIN_TOKEN, tokenizer.vocab_size):
+        text = tokenizer.decode([token])
+        if (
+            len(text) > 1
+            and text[0] == " "
+            and text[1:].isalpha()
+            and tokenizer.encode(text, add_special_tokens=False) == [token]
+        ):
+            words.append(text)
+    return words
+
+
 def random_texts(tokenizer: Any, count: int, length: int, rng: random.Random) -> list[str]:
-    vocab = tokenizer.vocab_size
-    return [
-        tokenizer.decode([rng.randrange(common.FIRST_PLAIN_TOKEN, vocab) for _ in range(length)])
-        for _ in range(count)
-    ]
+    words = word_tokens(tokenizer)
+    return ["".join(rng.choices(words, k=length)) for _ in range(count)]
 
 
 def shared_prefix_requests(
@@ -246,9 +262,9 @@ async def closed_loop(
                     extra_body={"ignore_eos": True},
                 )
                 async for chunk in stream:
-                    if chunk.choices and chunk.choices[0].text and first is None:
-                        first = time.perf_counter() - start
-                    if chunk.choices:
+                    if chunk.choices:  # a token (its text may still be empty)
+                        if first is None:
+                            first = time.perf_counter() - start
                         result.output_tokens += 1
                 if first is not None:
                     result.ttft_s.append(first)
@@ -261,6 +277,19 @@ async def closed_loop(
     result.elapsed_s = time.perf_counter() - begin
     await client.close()
     return result
+
+
+def routed_by_reason(router: Process) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{router.url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {
+        sample.labels["reason"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pagedllm:router_requests_routed_total"
+    }
 
 
 def counters(nodes: list[Process]) -> list[dict[str, float]]:
@@ -293,9 +322,16 @@ def run_workload(
 # ----- the parts -----------------------------------------------------------------------------
 
 
+def node_kv_tokens(args: argparse.Namespace) -> int:
+    """A fleet node's KV cache: ``--cache-prompts`` system prompts, besides the blocks of its
+    share of the requests in flight (their questions and outputs, a partial block each)."""
+    in_flight = -(-args.concurrency // args.nodes)
+    working = in_flight * (args.question_len + args.output_len + BLOCK_SIZE)
+    return round(args.cache_prompts * args.system_len) + working
+
+
 def part_a(args, model, tokenizer, workdir) -> dict[str, Any]:
-    per_prompt = args.system_len + args.question_len + args.output_len
-    kv_tokens = round(args.cache_prompts * per_prompt)
+    kv_tokens = node_kv_tokens(args)
     total = args.warmup + args.requests
     runs: dict[str, Any] = {}
     nodes = start_nodes(args, model, args.nodes, kv_tokens, workdir, "fleet")
@@ -310,11 +346,7 @@ def part_a(args, model, tokenizer, workdir) -> dict[str, Any]:
                 runs[policy] = run_workload(
                     router.url, nodes, requests[: args.warmup], requests[args.warmup :], args
                 )
-                runs[policy]["router"] = {
-                    k: v
-                    for k, v in router.metrics().items()
-                    if k.startswith("pagedllm:router_requests")
-                }
+                runs[policy]["routed_by_reason"] = routed_by_reason(router)
             finally:
                 router.stop()
             print(f"    {runs[policy]}", flush=True)
@@ -335,8 +367,7 @@ def part_a(args, model, tokenizer, workdir) -> dict[str, Any]:
 
 
 def part_b(args, model, tokenizer, workdir) -> dict[str, Any]:
-    per_prompt = args.system_len + args.question_len + args.output_len
-    kv_tokens = round(args.cache_prompts * per_prompt)
+    kv_tokens = node_kv_tokens(args)
     rng = random.Random(7)
     prompts = random_texts(tokenizer, args.uniform_requests, args.uniform_len, rng)
     nodes = start_nodes(args, model, args.nodes, kv_tokens, workdir, "uniform")

@@ -361,7 +361,10 @@ def main() -> None:
     )
     parser.add_argument("--sharing-requests", type=int, default=8, help="requests of (c)")
     parser.add_argument("--width", type=int, default=4, help="n and beam width of (c)")
-    parser.add_argument("--prefix-model", help="model of (d) (default: the benchmark model)")
+    parser.add_argument(
+        "--prefix-model",
+        help="model of (d): directory, GGUF file or smollm2 (default: the benchmark model)",
+    )
     parser.add_argument("--system-len", type=int, default=1024)
     parser.add_argument("--prefix-requests", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)

@@ -8,7 +8,8 @@ on x86 CPUs, else ``F.linear``), they give the fastest this machine can run that
 the same batch is reported as a fraction of it; its steps and the matmuls of its own weights
 are timed in alternation, so that both see the same load on the machine.
 
-    python bench/roofline.py [--model DIR] [--batch 32] [--context 256] [--threads 2]
+    python bench/roofline.py [--model DIR|FILE.gguf|smollm2] [--batch 32] [--context 256]
+        [--threads 2]
 """
 
 from __future__ import annotations
@@ -240,7 +241,9 @@ def plot(rows: list[dict[str, Any]], decode: dict[str, Any] | None, name: str) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model directory (default: the ~100M benchmark model)")
+    parser.add_argument(
+        "--model", help="model directory, GGUF file or smollm2 (default: the ~100M benchmark model)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=common.DTYPE_CHOICES, default="float32")
     parser.add_argument("--batch", type=int, default=32, help="decode batch of the target")

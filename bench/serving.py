@@ -77,6 +77,8 @@ def thread_env(threads: int) -> dict[str, str]:
 def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[str, Server]:
     env = thread_env(args.threads)
     max_len = args.prompt_len + args.output_len + 64
+    # transformers serve reads Hugging Face directories only: a GGUF model's de-quantized copy.
+    peer_model = str(common.hf_model_dir(Path(model)))
     servers = {
         "pagedllm": Server(
             "pagedllm",
@@ -120,11 +122,11 @@ def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[st
                 str(args.port + 1),
                 "--model-timeout",
                 "36000",
-                model,
+                peer_model,
             ],
             env,
             args.port + 1,
-            model,
+            peer_model,
             accepts_ignore_eos=False,
         ),
     }
@@ -263,9 +265,9 @@ def run_guidellm(server: Server, args: argparse.Namespace, workdir: Path) -> lis
 def random_prompt(model: str, num_tokens: int, seed: int) -> str:
     import random
 
-    from transformers import AutoTokenizer
+    from pagedllm.models.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = load_tokenizer(model)
     rng = random.Random(seed)
     ids = [rng.randrange(common.FIRST_PLAIN_TOKEN, tokenizer.vocab_size) for _ in range(num_tokens)]
     return tokenizer.decode(ids)
@@ -371,7 +373,9 @@ def plot(results: dict[str, list[dict]], name: str) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model directory (default: the ~100M benchmark model)")
+    parser.add_argument(
+        "--model", help="model directory, GGUF file or smollm2 (default: the ~100M benchmark model)"
+    )
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument("--concurrencies", default="1,8,20,64")
     parser.add_argument(

@@ -86,7 +86,9 @@ def run_pagedllm(model_dir: Path, workload: common.Workload, args: argparse.Name
 def _load_hf(model_dir: Path, dtype: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(
+        common.hf_model_dir(model_dir), dtype=getattr(torch, dtype)
+    )
     return model.eval()
 
 
@@ -223,7 +225,9 @@ def plot(results: dict[str, dict], name: str) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model directory (default: the ~100M benchmark model)")
+    parser.add_argument(
+        "--model", help="model directory, GGUF file or smollm2 (default: the ~100M benchmark model)"
+    )
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)

@@ -5,7 +5,8 @@
         (or --discover-namespace NS --discover-service SVC: the nodes of a Kubernetes Service)
     pagedllm generate [--prompt TEXT] ...            one offline generation, printed
     pagedllm demo-model DIR                          write the built-in demo checkpoint
-    pagedllm download [--tokenizer-only] hf://ORG/NAME DIR   fetch a Hugging Face model
+    pagedllm download [--tokenizer-only] hf://ORG/NAME DIR   fetch a Hugging Face model (or
+                                                     one GGUF file: hf://ORG/NAME/FILE.gguf)
     pagedllm operator [KOPF RUN OPTIONS]             run the Kubernetes operator
 
 Heavy imports (torch, transformers, kopf) happen inside the subcommand that needs them, so
@@ -42,7 +43,13 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 
-HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[\w./-]+))?$")
+# hf://ORG/NAME[@REVISION][/FILE.gguf]: a repository, or one GGUF file of it. The revision is
+# matched lazily, so that one holding slashes (refs/pr/1) still leaves the file name apart.
+HF_URI = re.compile(
+    r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[\w./-]+?))?"
+    r"(/(?P<file>[\w.-]+\.gguf))?$"
+)
+HF_URI_FORMS = "hf://ORG/NAME[@REVISION] or hf://ORG/NAME[@REVISION]/FILE.gguf"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_arguments(router)
 
     generate = commands.add_parser("generate", help="generate once, offline, and print it")
-    generate.add_argument("--model", default=None, help="model directory (default: demo)")
+    generate.add_argument(
+        "--model",
+        default=None,
+        help="model directory, GGUF file or smollm2 (default: the demo model)",
+    )
+    generate.add_argument(
+        "--tokenizer", default=None, metavar="DIR", help="tokenizer directory or GGUF file"
+    )
     generate.add_argument("--prompt", default="Hello, my name is")
     generate.add_argument("--max-tokens", type=positive_int, default=16)
     generate.add_argument("--temperature", type=float, default=0.0)
@@ -72,14 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("directory", metavar="DIR")
 
     download = commands.add_parser(
-        "download", help="download hf://ORG/NAME[@REVISION] into DIR (token from $HF_TOKEN)"
+        "download",
+        help="download hf://ORG/NAME[@REVISION] (a repository) or "
+        "hf://ORG/NAME[@REVISION]/FILE.gguf (one file of it) into DIR (token from $HF_TOKEN)",
     )
     download.add_argument(
         "--tokenizer-only",
         action="store_true",
-        help="only the tokenizer, chat template and configs, no weights (for routers)",
+        help="only the tokenizer, chat template and configs, no weights (for routers); a GGUF "
+        "file is fetched whole, as it holds the tokenizer",
     )
-    download.add_argument("source", metavar="hf://ORG/NAME[@REVISION]")
+    download.add_argument("source", metavar="hf://ORG/NAME[@REVISION][/FILE.gguf]")
     download.add_argument("directory", metavar="DIR")
 
     commands.add_parser(
@@ -142,7 +159,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         )
-        llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory)
+        llm = LLM(model=args.model, tokenizer=args.tokenizer, kv_cache_memory=args.kv_cache_memory)
     except ValueError as error:
         parser.error(str(error))
     output = llm.generate([args.prompt], params, use_tqdm=False)[0]
@@ -153,15 +170,24 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _download(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     match = HF_URI.match(args.source)
     if match is None:
-        parser.error(f"expected hf://ORG/NAME or hf://ORG/NAME@REVISION, got {args.source!r}")
-    from huggingface_hub import snapshot_download
+        parser.error(f"expected {HF_URI_FORMS}, got {args.source!r}")
+    from huggingface_hub import hf_hub_download, snapshot_download
 
-    path = snapshot_download(
-        repo_id=match["repo"],
-        revision=match["revision"],
-        local_dir=args.directory,
-        allow_patterns=list(TOKENIZER_FILES) if args.tokenizer_only else None,
-    )
+    if match["file"]:
+        # A GGUF file carries its tokenizer and chat template: --tokenizer-only takes it whole.
+        path = hf_hub_download(
+            repo_id=match["repo"],
+            filename=match["file"],
+            revision=match["revision"],
+            local_dir=args.directory,
+        )
+    else:
+        path = snapshot_download(
+            repo_id=match["repo"],
+            revision=match["revision"],
+            local_dir=args.directory,
+            allow_patterns=list(TOKENIZER_FILES) if args.tokenizer_only else None,
+        )
     print(path)
     return 0
 

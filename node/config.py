@@ -16,13 +16,16 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 class EngineConfig:
     """Settings of one serving engine, with vLLM's names and meanings.
 
-    ``model`` is a local Hugging Face directory; None means the built-in demo model.
+    ``model`` is a local Hugging Face directory, a GGUF file (or a directory holding one), or
+    the name of a packaged model (``smollm2``); None means the built-in demo model.
+    ``tokenizer`` takes the tokenizer from another directory or GGUF file.
     ``kv_cache_memory`` (bytes) sizes the KV cache directly; otherwise on CUDA
     ``gpu_memory_utilization`` of the device goes to weights, activations and cache, and on
     the CPU a share of the free memory is used.
     """
 
     model: str | None = None
+    tokenizer: str | None = None
     dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | None = None
@@ -62,9 +65,13 @@ class EngineConfig:
 
 
 def resolve_model_dir(model: str | None) -> str:
-    """The model directory to serve: ``model``, or the demo model's (written on first use)."""
+    """The model to serve: ``model`` (a path, or the file of a packaged model named so, when
+    no such path exists), or the demo model's directory (written on first use)."""
     if model is not None:
-        return model
+        from pagedllm.models.named import named_model_path
+
+        named = named_model_path(model)
+        return str(named) if named is not None else model
     # Writing the demo model takes torch; only then is it imported.
     from pagedllm.models.demo import demo_model_dir
 

@@ -36,7 +36,7 @@ class LLMEngine:
             )
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
-        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
         self.runner = ModelRunner(config, self.model_dir)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = tuple(self.runner.model_config.eos_token_ids)

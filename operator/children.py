@@ -247,9 +247,10 @@ def _writable_mounts() -> list[dict[str, Any]]:
 
 
 def _download_container(
-    spec: PagedLLMSpec, model_path: str, mount_path: str, *, tokenizer_only: bool = False
+    spec: PagedLLMSpec, mount_path: str, *, tokenizer_only: bool = False
 ) -> dict[str, Any]:
-    """The init container that fetches an hf:// model into the "model" volume."""
+    """The init container that fetches an hf:// model (or one GGUF file of it) into the
+    "model" volume."""
     return {
         "name": "download",
         "image": spec.image,
@@ -257,13 +258,17 @@ def _download_container(
         "command": ["pagedllm", "download"],
         "args": [
             *(["--tokenizer-only"] if tokenizer_only else []),
-            f"hf://{spec.model.source.path}",
-            model_path,
+            spec.model.source.hub_uri,
+            _hub_download_dir(spec),
         ],
         "env": [*_writable_dirs_env(), *[dict(e) for e in spec.env]],
         "volumeMounts": [{"name": "model", "mountPath": mount_path}, *_writable_mounts()],
         "securityContext": _container_security_context(),
     }
+
+
+def _hub_download_dir(spec: PagedLLMSpec) -> str:
+    return f"{MODEL_DIR}/{spec.model.source.path}"
 
 
 def _model_volume(spec: PagedLLMSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
@@ -275,6 +280,8 @@ def _model_volume(spec: PagedLLMSpec) -> tuple[list[dict[str, Any]], list[dict[s
         return [], [], source.path
     mount = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
     path = f"{MODEL_DIR}/{source.path or DEMO_MODEL_SUBDIR}"
+    if source.kind is ModelSourceKind.HUGGING_FACE and source.file:
+        path = f"{_hub_download_dir(spec)}/{source.file}"  # the node serves the GGUF file
     if source.kind is ModelSourceKind.PVC:
         claim = {"claimName": source.claim, "readOnly": True}
         return [{"name": "model", "persistentVolumeClaim": claim}], [mount], path
@@ -343,7 +350,7 @@ def build_pod_template(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
         volumes += model_volumes
         mounts += model_mounts
         if source.kind is ModelSourceKind.HUGGING_FACE:
-            init_containers.append(_download_container(spec, model_path, MODEL_DIR))
+            init_containers.append(_download_container(spec, MODEL_DIR))
 
     env = _writable_dirs_env()
     # The worker's compute threads: the CPUs the pod requests (rounded up), not every core of
@@ -569,9 +576,7 @@ def build_router_pod_template(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any
             }
         )
     elif source.kind is ModelSourceKind.HUGGING_FACE:
-        init_containers.append(
-            _download_container(spec, model_path, MODEL_DIR, tokenizer_only=True)
-        )
+        init_containers.append(_download_container(spec, MODEL_DIR, tokenizer_only=True))
 
     health = {"path": "/health", "port": "http"}
     lifecycle, grace_seconds = _termination(spec)

@@ -30,7 +30,7 @@ class ModelSourceKind(str, Enum):
     DEMO = "demo"  # no uri: the node's built-in demo model
     IMAGE = "image"  # a path inside the image
     PVC = "pvc"  # pvc://CLAIM/PATH
-    HUGGING_FACE = "hf"  # hf://ORG/NAME
+    HUGGING_FACE = "hf"  # hf://ORG/NAME[@REVISION][/FILE.gguf]
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,25 @@ class ModelSource:
     kind: ModelSourceKind
     path: str = ""  # inside the image, inside the claim, or the Hub repository id
     claim: str = ""
+    revision: str = ""  # of the Hub repository; empty: its default branch
+    file: str = ""  # one GGUF file of the Hub repository; empty: the whole repository
+
+    @property
+    def hub_uri(self) -> str:
+        """The ``hf://`` URI the node's downloader takes."""
+        revision = f"@{self.revision}" if self.revision else ""
+        file = f"/{self.file}" if self.file else ""
+        return f"hf://{self.path}{revision}{file}"
 
 
 _CLAIM = r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?"
 _HUB_PART = r"[A-Za-z0-9][-A-Za-z0-9_.]*"
+# The revision is matched lazily, so that one holding slashes (refs/pr/1) leaves the file apart.
+_HUB_URI = re.compile(
+    rf"(?P<repo>{_HUB_PART}/[-A-Za-z0-9_.]+)(@(?P<revision>[-A-Za-z0-9_./]+?))?"
+    r"(/(?P<file>[-A-Za-z0-9_.]+\.gguf))?"
+)
+_HUB_FORMS = "hf://ORG/NAME[@REVISION] or hf://ORG/NAME[@REVISION]/FILE.gguf"
 
 
 def parse_model_uri(uri: str | None) -> ModelSource:
@@ -53,15 +68,20 @@ def parse_model_uri(uri: str | None) -> ModelSource:
             raise InvalidSpec(f"model uri {uri!r}: expected pvc://CLAIM/PATH")
         return ModelSource(ModelSourceKind.PVC, path=path.strip("/"), claim=claim)
     if uri.startswith("hf://"):
-        repository = uri[len("hf://") :]
-        if not re.fullmatch(rf"{_HUB_PART}/[-A-Za-z0-9_.]+", repository):
-            raise InvalidSpec(f"model uri {uri!r}: expected hf://ORG/NAME")
-        return ModelSource(ModelSourceKind.HUGGING_FACE, path=repository)
+        match = _HUB_URI.fullmatch(uri[len("hf://") :])
+        if match is None:
+            raise InvalidSpec(f"model uri {uri!r}: expected {_HUB_FORMS}")
+        return ModelSource(
+            ModelSourceKind.HUGGING_FACE,
+            path=match["repo"],
+            revision=match["revision"] or "",
+            file=match["file"] or "",
+        )
     if uri.startswith("/"):
         return ModelSource(ModelSourceKind.IMAGE, path=uri)
     raise InvalidSpec(
         f"model uri {uri!r}: expected an absolute path in the image, pvc://CLAIM/PATH "
-        "or hf://ORG/NAME"
+        f"or {_HUB_FORMS}"
     )
 
 

@@ -56,6 +56,7 @@ class ApiServerSpec:
     supervisor_pid: int
     nice: int = 0
     limits: RequestLimits = field(default_factory=RequestLimits)
+    tokenizer_dir: str = ""  # where the tokenizer is, when not in model_dir (--tokenizer)
 
 
 def encode_spec(spec: ApiServerSpec) -> bytes:
@@ -128,7 +129,7 @@ def run_api_server(spec: ApiServerSpec) -> int:
     if spec.nice:
         os.nice(spec.nice)
     try:
-        tokenizer = load_tokenizer(spec.model_dir)
+        tokenizer = load_tokenizer(spec.tokenizer_dir or spec.model_dir)
     except ModelLoadError as error:
         log.error("%s", error)
         return 1

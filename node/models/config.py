@@ -44,6 +44,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: list[int]
     torch_dtype: str | None
+    # Set when the weights come from a GGUF file (in ``model_dir``) rather than safetensors.
+    gguf_file: Path | None = None
 
     def layer_sliding_window(self, layer: int) -> int | None:
         return self.sliding_window if self.sliding_window_layers[layer] else None
@@ -73,22 +75,33 @@ class ModelConfig:
 
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
+    """The config of a Hugging Face model directory, or of a GGUF file (or a directory holding
+    exactly one)."""
+    from pagedllm.models.gguf import find_gguf_file, read_gguf_config
+
+    gguf_file = find_gguf_file(model_dir)
+    if gguf_file is not None:
+        return read_gguf_config(gguf_file)
     directory = Path(model_dir).expanduser()
     if not directory.is_dir():
         raise ModelLoadError(f"model directory {directory} does not exist")
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise ModelLoadError(f"{config_path} not found: not a Hugging Face model directory")
+        raise ModelLoadError(
+            f"{config_path} not found: not a Hugging Face model directory (nor one holding a "
+            "GGUF file)"
+        )
     generation_path = directory / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.is_file() else {}
     return parse_model_config(_read_json(config_path), generation, directory)
 
 
 def parse_model_config(
-    raw: dict[str, Any], generation: dict[str, Any], model_dir: Path
+    raw: dict[str, Any], generation: dict[str, Any], model_dir: Path, source: Path | None = None
 ) -> ModelConfig:
-    """Validate a parsed ``config.json`` (and ``generation_config.json``, may be empty)."""
-    fields = _Fields(raw, model_dir / "config.json")
+    """Validate a parsed ``config.json`` (and ``generation_config.json``, may be empty);
+    ``source`` is the file errors name, ``config.json`` unless given."""
+    fields = _Fields(raw, source or model_dir / "config.json")
     architecture = _architecture(raw, model_dir)
     hidden_size = fields.positive_int("hidden_size")
     num_heads = fields.positive_int("num_attention_heads")

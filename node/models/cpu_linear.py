@@ -25,6 +25,14 @@ PACK_BATCH_HINT = 64
 # what it computes.
 ROW_PIECE = 256
 EXACT_ROWS = 8
+# Even bucketed, a server meets about 55 row counts per weight shape; cached for ever (1,024 by
+# default) their primitives would add a model's 4 shapes x 55 x 0.55 MB, some 120 MB, to the
+# worker, one new row count at a time over hours of traffic. Both caches (oneDNN's primitive
+# cache and ideep's above it, each about half of that size) keep the most recently used
+# CACHED_PRIMITIVES instead: a step needs at most two row counts per shape, and a primitive
+# evicted and needed again is rebuilt in about a millisecond.
+CACHED_PRIMITIVES = 64
+CACHE_CAPACITY_ENVS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -37,6 +45,14 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+def bound_caches() -> None:
+    """Cap oneDNN's and ideep's primitive caches at ``CACHED_PRIMITIVES`` each, unless the
+    environment sets them. Both read their capacity once, when the process first builds a
+    primitive: call this before."""
+    for name in CACHE_CAPACITY_ENVS:
+        os.environ.setdefault(name, str(CACHED_PRIMITIVES))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

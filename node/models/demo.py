@@ -8,8 +8,6 @@ bytes come out on every run.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from pagedllm.cache import cache_root
+from pagedllm.cache import cache_root, cached_dir
 
 # Bumped whenever the recipe changes, so an old cached copy is not reused.
 DEMO_MODEL_DIR_NAME = "demo-model-v1"
@@ -48,27 +46,8 @@ RMS_NORM_EPS = 1e-5
 
 def demo_model_dir() -> Path:
     """The demo model's directory under the cache (``$PAGEDLLM_CACHE_DIR`` or
-    ``~/.cache/pagedllm``), written on first use.
-
-    It is assembled in a private directory and renamed into place, so a process never sees a
-    half-written model, and of processes racing to create it one wins and the others use it.
-    """
-    cache = cache_root()
-    target = cache / DEMO_MODEL_DIR_NAME
-    if target.is_dir():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_DIR_NAME}-", dir=cache))
-    try:
-        write_demo_model(staging)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    ``~/.cache/pagedllm``), written on first use (see ``cached_dir``)."""
+    return cached_dir(cache_root() / DEMO_MODEL_DIR_NAME, write_demo_model)
 
 
 def write_demo_model(directory: str | Path) -> Path:

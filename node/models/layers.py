@@ -63,7 +63,18 @@ class Llama3RopeScaling:
         return torch.where(is_medium, smoothed, scaled)
 
 
-RopeScaling = LinearRopeScaling | Llama3RopeScaling
+@dataclass(frozen=True)
+class FrequencyFactorRopeScaling:
+    """Each frequency divided by its own factor: how llama.cpp stores Llama 3.1's scaling in a
+    GGUF file (the ``rope_freqs`` tensor, computed from the ``llama3`` parameters)."""
+
+    factors: tuple[float, ...]
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        return inv_freq / torch.tensor(self.factors, dtype=inv_freq.dtype)
+
+
+RopeScaling = LinearRopeScaling | Llama3RopeScaling | FrequencyFactorRopeScaling
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,6 +1,7 @@
-"""Build a model from a Hugging Face directory: config, safetensors weights, tokenizer.
+"""Build a model from a Hugging Face directory (config, safetensors weights) or a GGUF file.
 
-Each tensor-parallel rank reads only its slices of the sharded tensors.
+Each tensor-parallel rank reads only its slices of the sharded safetensors tensors (a GGUF
+tensor is de-quantized whole, then sliced).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pagedllm.config import DTYPE_CHOICES, DTYPES
 from pagedllm.kernels import kernel_ops
 from pagedllm.models import SUPPORTED_ARCHITECTURES, ModelLoadError, cpu_linear
 from pagedllm.models.config import ModelConfig, read_model_config
+from pagedllm.models.gguf_weights import GGUFCheckpoint
 from pagedllm.models.layers import PackableLinear, RotaryEmbedding
 from pagedllm.models.llama import CausalLM
 
@@ -66,7 +68,7 @@ def load_model(
     with torch.device("meta"), _default_dtype(torch_dtype):
         model = model_class(config, ops, tp_rank, tp_size)
     model.to_empty(device=device)
-    with _Checkpoint(config.model_dir) as checkpoint, torch.no_grad():
+    with _open_checkpoint(config) as checkpoint, torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(_read_param(checkpoint, config, name, param, tp_rank, tp_size))
     for module in model.modules():
@@ -122,7 +124,7 @@ def _sources(
 
 
 def _read_param(
-    checkpoint: _Checkpoint,
+    checkpoint: _Checkpoint | GGUFCheckpoint,
     config: ModelConfig,
     name: str,
     param: torch.Tensor,
@@ -145,6 +147,12 @@ def _read_param(
         rank_slice = slice(tp_rank * size, (tp_rank + 1) * size)
         parts.append(tensor[rank_slice] if source.shard_dim == 0 else tensor[:, rank_slice])
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _open_checkpoint(config: ModelConfig) -> _Checkpoint | GGUFCheckpoint:
+    if config.gguf_file is not None:
+        return GGUFCheckpoint(config)
+    return _Checkpoint(config.model_dir)
 
 
 class _Checkpoint:

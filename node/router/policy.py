@@ -4,8 +4,10 @@
 that node is above the load bound (consistent hashing with bounded loads: no node takes more than
 ``load_bound`` times its fair share of the requests in flight, this one included); then to the
 least-loaded node. A prompt cached nowhere goes to the node a rendezvous hash of its leading
-tokens picks among those within the bound, so that requests sharing a system prompt land
-together and the next ones find it cached. ``least-load``, ``round-robin`` and ``random`` (what a
+tokens picks among those within the bound that have had the fewest such placements, so that
+new prompts spread evenly over the nodes' caches (the router remembers where it sent a prompt
+until the node's feed reports it cached: requests sharing a system prompt land together and
+the next ones find it cached). ``least-load``, ``round-robin`` and ``random`` (what a
 Kubernetes Service does, for comparisons) ignore the caches.
 """
 
@@ -45,6 +47,7 @@ class Candidate:
     url: str
     cached_tokens: int  # the leading tokens of this prompt the node holds
     load: int  # requests running and waiting there
+    placed: int = 0  # prompts cached nowhere that were sent there so far
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ def _prefix(candidates: Sequence[Candidate], key: bytes, load_bound: float) -> C
         return _first(best, candidates, key, Reason.PREFIX)
     if any(c.cached_tokens > 0 for c in candidates):
         return _first(_least_loaded(within, key), candidates, key, Reason.LOAD)
-    placed = max(within, key=lambda c: rendezvous(key, c.url))
+    placed = min(within, key=lambda c: (c.placed, -rendezvous(key, c.url)))
     return _first(placed, candidates, key, Reason.FALLBACK)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -10,7 +11,47 @@ from pagedllm.api.errors import unavailable
 from pagedllm.router.fleet import Backend, Fleet
 from pagedllm.router.hashing import PromptHashes
 from pagedllm.router.metrics import RouterMetrics
-from pagedllm.router.policy import Candidate, Choice, Policy, choose, placement_key
+from pagedllm.router.policy import Candidate, Choice, Policy, Reason, choose, placement_key
+
+# How long the router counts a prompt as cached where it sent it, before the node's feed says
+# so itself (the prefill of a long prompt on a busy node can take this long).
+PENDING_S = 60.0
+# Expired entries are swept once a backend's pending map grows by this many.
+PENDING_SWEEP = 4096
+
+
+@dataclass
+class Pending:
+    """Blocks a backend will hold once the requests sent to it are prefilled: hash -> until
+    when it counts. Bridges the gap until the feed reports them (or forever does not)."""
+
+    until: dict[bytes, float] = field(default_factory=dict)
+    _sweep_at: int = PENDING_SWEEP
+
+    def add(self, hashes: list[bytes], now: float) -> None:
+        expiry = now + PENDING_S
+        for h in hashes:
+            self.until[h] = expiry
+        if len(self.until) >= self._sweep_at:
+            self.until = {h: t for h, t in self.until.items() if t > now}
+            self._sweep_at = len(self.until) + PENDING_SWEEP
+
+    def holds(self, h: bytes, now: float) -> bool:
+        return self.until.get(h, 0.0) > now
+
+
+def cached_tokens(backend: Backend, hashes: list[bytes], pending: Pending, now: float) -> int:
+    """The leading tokens of a prompt the backend holds, or will once what was sent to it is
+    prefilled."""
+    residency = backend.residency
+    if residency is None:
+        return 0
+    count = 0
+    for h in hashes:
+        if h not in residency.hashes and not pending.holds(h, now):
+            break
+        count += 1
+    return count * residency.scheme.block_size
 
 
 @dataclass(frozen=True)
@@ -32,6 +73,8 @@ class Router:
     on_hold: Callable[[], None] | None = None
     _turn: int = 0
     _held: int = 0
+    _pending: dict[str, Pending] = field(default_factory=dict)
+    _placed: dict[str, int] = field(default_factory=dict)
 
     @property
     def held(self) -> int:
@@ -69,12 +112,17 @@ class Router:
 
     def choose(self, token_ids: list[int], backends: list[Backend]) -> Choice:
         prompt = PromptHashes(token_ids)
+        now = time.monotonic()
+        ready = [b for b in backends if b.residency is not None]
+        hashes = {b.url: prompt.for_scheme(b.residency.scheme) for b in ready}  # type: ignore[union-attr]
         candidates = [
             Candidate(
-                b.url, b.residency.cached_tokens(prompt.for_scheme(b.residency.scheme)), b.load
+                b.url,
+                cached_tokens(b, hashes[b.url], self._pending_of(b.url), now),
+                b.load,
+                self._placed.get(b.url, 0),
             )
-            for b in backends
-            if b.residency is not None
+            for b in ready
         ]
         if self.settings.policy == Policy.RANDOM:
             turn = self.rng.randrange(len(candidates))
@@ -87,6 +135,24 @@ class Router:
             self.settings.load_bound,
             turn,
         )
+        chosen = choice.order[0]
+        self._pending_of(chosen).add(hashes[chosen], now)
+        if choice.reason == Reason.FALLBACK:
+            self._placed[chosen] = self._placed.get(chosen, 0) + 1
+        self._forget_gone()
         self.metrics.routed.labels(choice.reason.value).inc()
         self.metrics.cached_tokens.observe(choice.cached_tokens)
         return choice
+
+    def _pending_of(self, url: str) -> Pending:
+        pending = self._pending.get(url)
+        if pending is None:
+            pending = self._pending[url] = Pending()
+        return pending
+
+    def _forget_gone(self) -> None:
+        """Drop what is kept of backends that left the fleet."""
+        if len(self._pending) > len(self.fleet.backends):
+            for url in [u for u in self._pending if u not in self.fleet.backends]:
+                del self._pending[url]
+                self._placed.pop(url, None)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pagedllm.api.limits import MAX_N_LIMIT, RequestLimits
 from pagedllm.config import DTYPE_CHOICES, EngineConfig, resolve_model_dir
 from pagedllm.kernels import BACKENDS
+from pagedllm.models.named import NAMED_MODELS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 DEMO_MODEL_NAME = "pagedllm-demo"
@@ -27,6 +28,7 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 class ServeArgs:
     engine: EngineConfig
     model_dir: str
+    tokenizer_dir: str
     model_names: list[str]
     max_model_len: int
     vocab_size: int
@@ -129,7 +131,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="local Hugging Face model directory (default: the built-in demo model)",
+        help="local Hugging Face model directory, GGUF file (or a directory holding one), "
+        "or smollm2 (default: the built-in demo model)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="take the tokenizer and chat template from this Hugging Face directory or GGUF "
+        "file (default: the model's)",
     )
     p.add_argument(
         "--served-model-name",
@@ -264,13 +274,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
+def _exists(path: str) -> bool:
+    return os.path.exists(os.path.expanduser(path))
+
+
 def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeArgs:
     """The checked settings, or ``parser.error`` (exit 2) with what is wrong."""
-    if ns.model is not None and not os.path.isdir(ns.model):
-        parser.error(f"--model {ns.model}: no such directory")
+    if ns.model is not None and ns.model not in NAMED_MODELS and not _exists(ns.model):
+        parser.error(f"--model {ns.model}: no such directory or file")
+    if ns.tokenizer is not None and not _exists(ns.tokenizer):
+        parser.error(f"--tokenizer {ns.tokenizer}: no such directory or file")
     try:
         engine = EngineConfig(
             model=ns.model,
+            tokenizer=ns.tokenizer,
             dtype=ns.dtype,
             block_size=ns.block_size,
             kv_cache_memory=ns.kv_cache_memory,
@@ -312,6 +329,9 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
     return ServeArgs(
         engine=engine,
         model_dir=model_dir,
+        tokenizer_dir=os.path.abspath(os.path.expanduser(ns.tokenizer))
+        if ns.tokenizer
+        else model_dir,
         model_names=list(names),
         max_model_len=max_model_len,
         vocab_size=model.vocab_size,

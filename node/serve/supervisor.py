@@ -255,6 +255,7 @@ class Supervisor:
                 pid,
                 args.api_server_nice,
                 args.request_limits,
+                tokenizer_dir=args.tokenizer_dir,
             )
             self.children.append(Child("api_server", index, ApiServerProcess(spec)))
 
@@ -374,7 +375,7 @@ def _serve(args: ServeArgs) -> int:
     try:
         # Checked here, so that a model without a usable tokenizer stops the node at once;
         # each API server loads its own.
-        load_tokenizer(args.model_dir)
+        load_tokenizer(args.tokenizer_dir)
     except ModelLoadError as error:
         log.error("%s", error)
         return 2

@@ -19,7 +19,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.step_plan import StepPlan
 from pagedllm.ipc import sockets
 from pagedllm.ipc.messages import ProcessReady, StepRefused, WorkerReady
+from pagedllm.models import cpu_linear
 from pagedllm.serve.child_process import setup_child
+from pagedllm.worker.allocator import fix_mmap_threshold
 from pagedllm.worker.model_runner import ModelRunner, resolve_device
 from pagedllm.worker.plan_check import plan_problem
 
@@ -64,6 +66,9 @@ def run_worker(spec: WorkerSpec) -> None:
     setup_child(
         f"worker {spec.rank}", spec.log_level, spec.supervisor_pid, spec.ipc_paths.directory
     )
+    # Before any allocation or primitive of the model: a node under steady traffic keeps its size.
+    fix_mmap_threshold()
+    cpu_linear.bound_caches()
     try:
         _serve(spec)
     except Exception:

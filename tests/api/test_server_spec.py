@@ -27,6 +27,7 @@ SPEC = ApiServerSpec(
     supervisor_pid=4242,
     nice=5,
     limits=RequestLimits(max_prompts_per_request=8, max_n=4, max_request_tokens=1000),
+    tokenizer_dir="/models/tokenizer",
 )
 
 
@@ -38,9 +39,11 @@ def test_a_spec_arrives_as_it_was_sent() -> None:
     ("data", "message"),
     [
         (b"\xc1", "not msgpack"),
-        (msgpack.packb(["too", "short"]), "ApiServerSpec as a list of 13 fields"),
+        (msgpack.packb(["too", "short"]), "ApiServerSpec as a list of 14 fields"),
         (
-            msgpack.packb([1, ["/d"], "m", ["n"], 1, 1, None, "h", "80", "info", 1, 0, [1, 1, 1]]),
+            msgpack.packb(
+                [1, ["/d"], "m", ["n"], 1, 1, None, "h", "80", "info", 1, 0, [1, 1, 1], ""]
+            ),
             "port",
         ),
     ],

@@ -9,6 +9,7 @@ sampling, logprobs and aborts that land while a placeholder is out.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -179,18 +180,21 @@ def test_the_traces_reach_preemption_and_aborts_with_a_sample_in_flight(engine: 
     assert sum(run.dropped_in_flight for run in runs) > 0
 
 
+def held_sequence() -> NewSequence:
+    """Sequence 7 as a worker holds it: a three-token prompt computed, in block 0."""
+    return NewSequence(
+        seq_id=7,
+        token_ids=[1, 2, 3],
+        prompt_len=3,
+        block_ids=[0],
+        num_computed_tokens=3,
+        num_kv_tokens=3,
+        sampling=SamplingSpec(),
+    )
+
+
 def test_a_placeholder_needs_a_sample_of_the_workers():
-    seqs = {
-        7: NewSequence(
-            seq_id=7,
-            token_ids=[1, 2, 3],
-            prompt_len=3,
-            block_ids=[0],
-            num_computed_tokens=3,
-            num_kv_tokens=3,
-            sampling=SamplingSpec(),
-        )
-    }
+    seqs = {7: held_sequence()}
     plan = StepPlan(
         step_id=1, running=[RunningUpdate(7, [LAST_SAMPLE], 1, [], 3)], scheduled=[(7, 1)]
     )
@@ -201,3 +205,25 @@ def test_a_placeholder_needs_a_sample_of_the_workers():
     assert plan_problem(other, seqs, 4, BLOCK_SIZE, 100, last_sampled={7}) == (
         "token ids outside [0, 100)"
     )
+
+
+def test_plans_naming_what_the_worker_does_not_hold_are_refused():
+    seq = held_sequence()
+    seqs = {7: seq}
+    fine = StepPlan(step_id=1, running=[RunningUpdate(7, [4], 1, [], 3)], scheduled=[(7, 1)])
+    assert plan_problem(fine, seqs, 4, BLOCK_SIZE, 100) is None
+    cases = {
+        "block ids outside [0, 4)": StepPlan(
+            step_id=2, running=[RunningUpdate(7, [4], 1, [4], 3)], scheduled=[(7, 1)]
+        ),
+        "running update for unknown sequence 8": StepPlan(
+            step_id=3, running=[RunningUpdate(8, [4], 0, [], 0)]
+        ),
+        "scheduled unknown sequence 9": StepPlan(step_id=4, scheduled=[(9, 1)]),
+        "sequence 7: cannot compute tokens 3..5": StepPlan(step_id=5, scheduled=[(7, 2)]),
+        "token ids outside [0, 100)": StepPlan(
+            step_id=6, new=[dataclasses.replace(seq, seq_id=8, token_ids=[1, 100])]
+        ),
+    }
+    for reason, plan in cases.items():
+        assert plan_problem(plan, seqs, 4, BLOCK_SIZE, 100) == reason

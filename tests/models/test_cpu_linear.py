@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,3 +56,60 @@ def test_leading_dimensions_are_kept():
     x = torch.randn(3, 70, 16)
     out = cpu_linear.linear(x, cpu_linear.pack(weight), None)
     torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4, rtol=1e-4)
+
+
+# Run in a fresh interpreter: both caches read their capacity when the process builds its
+# first primitive. Prints the bytes malloc hands out (glibc's mallinfo2) after filling the
+# caches with one primitive per row count, and after as many new row counts again, twice over.
+CACHE_GROWTH_SCRIPT = """
+import ctypes, sys, torch
+from pagedllm.models import cpu_linear
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+mallinfo2.restype = MallInfo2
+
+def in_use():
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd
+
+cpu_linear.bound_caches()
+torch.set_num_threads(1)
+packed = cpu_linear.pack(torch.randn(1536, 256))
+x = torch.randn(4 * cpu_linear.CACHED_PRIMITIVES, 256)
+
+def run(first, last):
+    for rows in range(first, last):
+        torch.ops.mkldnn._linear_pointwise(x[:rows], packed, None, "none", [], "")
+
+with torch.inference_mode():
+    run(1, 2)
+    start = in_use()
+    size = cpu_linear.CACHED_PRIMITIVES
+    run(2, 2 + size)
+    filled = in_use()
+    run(2 + size, 2 + 3 * size)
+    print(filled - start, in_use() - filled)
+"""
+
+
+def test_primitive_caches_hold_a_bounded_number_of_row_counts():
+    env = {k: v for k, v in os.environ.items() if k not in cpu_linear.CACHE_CAPACITY_ENVS}
+    out = subprocess.run(
+        [sys.executable, "-c", CACHE_GROWTH_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    filling, beyond = (int(n) for n in out.split())
+    # Each primitive held costs memory (about 0.5 MB for this shape on an AVX-512 machine) ...
+    assert filling > cpu_linear.CACHED_PRIMITIVES * 50_000
+    # ... but twice as many new row counts once the caches are full take their places: with
+    # the default capacities (1,024) they would add twice as much again.
+    assert beyond < filling / 4

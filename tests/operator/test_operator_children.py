@@ -156,6 +156,32 @@ def test_pvc_model_is_mounted_read_only() -> None:
     assert pod["nodeSelector"] == {"gpu": "l4"} and pod["priorityClassName"] == "serving"
 
 
+@pytest.mark.parametrize(
+    ("uri", "download", "model"),
+    [
+        (
+            "hf://meta-llama/Llama-3.1-8B",
+            ["hf://meta-llama/Llama-3.1-8B", "/models/meta-llama/Llama-3.1-8B"],
+            "/models/meta-llama/Llama-3.1-8B",
+        ),
+        (
+            "hf://org/repo-GGUF@v2/model.Q4_K_M.gguf",
+            ["hf://org/repo-GGUF@v2/model.Q4_K_M.gguf", "/models/org/repo-GGUF"],
+            "/models/org/repo-GGUF/model.Q4_K_M.gguf",
+        ),
+    ],
+)
+def test_a_hub_model_is_downloaded_before_the_node_starts(
+    uri: str, download: list[str], model: str
+) -> None:
+    raw = {"model": {"uri": uri, "servedName": "m"}}
+    pod = build_deployment(OWNER, parse_spec(raw), 1)["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["pagedllm", "download"] and init["args"] == download
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == model
+
+
 def test_writable_dirs_for_a_read_only_root() -> None:
     pod = build_deployment(OWNER, parse_spec(SPECS["demo"]), 1)["spec"]["template"]["spec"]
     (container,) = pod["containers"]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from e2e.emulator import crd_validation
-from pagedllm.operator.spec import parse_spec
+from pagedllm.operator.spec import parse_model_uri, parse_spec
 from tests.operator.operator_harness import SAMPLES, load_crd
 
 CRD = load_crd()
@@ -103,6 +103,8 @@ def test_operator_defaults_are_the_schema_defaults() -> None:
         ),
         ({"model": {"servedName": "x", "uri": "s3://bucket/model"}}, "does not match"),
         ({"model": {"servedName": "x", "uri": "hf://just-a-name"}}, "does not match"),
+        ({"model": {"servedName": "x", "uri": "hf://org/name/model.bin"}}, "does not match"),
+        ({"model": {"servedName": "x", "uri": "hf://org/name/a/model.gguf"}}, "does not match"),
         ({"model": {"uri": "/models/x"}}, "'servedName' is a required property"),
         ({"engine": {"gpuMemoryUtilization": 1.5}}, "1.5"),
         ({"engine": {"blockSize": 12}}, "12 is not one of"),
@@ -120,6 +122,21 @@ def test_operator_defaults_are_the_schema_defaults() -> None:
 def test_invalid_specs_are_rejected(spec: dict[str, Any], message: str) -> None:
     found = errors(resource(**spec))
     assert any(message in e for e in found), found
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "hf://org/name",
+        "hf://org/name@main",
+        "hf://org/name/model-Q4_K_M.gguf",
+        "hf://org/name@refs/pr/1/model.gguf",
+        "/models/smollm2.gguf",
+    ],
+)
+def test_model_uris_the_schema_and_the_operator_both_accept(uri: str) -> None:
+    assert errors(resource(model={"servedName": "x", "uri": uri})) == []
+    parse_model_uri(uri)  # raises InvalidSpec otherwise
 
 
 @pytest.mark.parametrize("name", ["x" * 48, "1st-model", "Demo", "demo-"])

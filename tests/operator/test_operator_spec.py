@@ -34,6 +34,27 @@ from pagedllm.operator.spec import (
             "hf://Qwen/Qwen2.5-0.5B-Instruct",
             ModelSource(ModelSourceKind.HUGGING_FACE, path="Qwen/Qwen2.5-0.5B-Instruct"),
         ),
+        (
+            "hf://org/name@v1.0",
+            ModelSource(ModelSourceKind.HUGGING_FACE, path="org/name", revision="v1.0"),
+        ),
+        (
+            "hf://bartowski/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_K_M.gguf",
+            ModelSource(
+                ModelSourceKind.HUGGING_FACE,
+                path="bartowski/SmolLM2-135M-Instruct-GGUF",
+                file="SmolLM2-135M-Instruct-Q4_K_M.gguf",
+            ),
+        ),
+        (
+            "hf://org/name@refs/pr/1/model.Q8_0.gguf",
+            ModelSource(
+                ModelSourceKind.HUGGING_FACE,
+                path="org/name",
+                revision="refs/pr/1",
+                file="model.Q8_0.gguf",
+            ),
+        ),
     ],
 )
 def test_model_uris(uri: str | None, expected: ModelSource) -> None:
@@ -47,6 +68,9 @@ def test_model_uris(uri: str | None, expected: ModelSource) -> None:
         "pvc://Bad_Claim/x",
         "hf://org",
         "hf://org/name/extra",
+        "hf://org/name/model.safetensors",
+        "hf://org/name/dir/model.gguf",
+        "hf://org/name@",
         "models/relative",
         "s3://b/k",
     ],

@@ -121,3 +121,10 @@ def test_prefix_never_picks_a_node_over_the_bound(
     within = [c for c in candidates if c.load + 1 <= capacity(loads, bound)]
     if choice.reason == Reason.PREFIX:
         assert chosen.cached_tokens == max(c.cached_tokens for c in within) > 0
+
+
+def test_prompts_cached_nowhere_spread_by_placements_so_far() -> None:
+    candidates = [Candidate(A, 0, 0, placed=2), Candidate(B, 0, 0, placed=1), Candidate(C, 0, 0, 1)]
+    for i in range(20):
+        choice = choose(Policy.PREFIX, candidates, placement_key([i] * 128), 1.25, 0)
+        assert choice.order[0] in (B, C) and choice.reason == Reason.FALLBACK

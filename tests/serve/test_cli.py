@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.cli import HF_URI
 from pagedllm.kernels import cpu_extension
 from pagedllm.models.demo import DEMO_MODEL_DIR_NAME, demo_model_dir
 from pagedllm.serve.worker_process import torch_threads
@@ -39,7 +40,8 @@ def test_help_lists_the_subcommands() -> None:
         (["--max-n", "129"], "n is at most 128 in the API, got 129"),
         (["--max-request-tokens", "many"], "expected a positive integer, got 'many'"),
         (["--dtype", "int3"], "invalid choice: 'int3'"),
-        (["--model", "/no/such/model"], "--model /no/such/model: no such directory"),
+        (["--model", "/no/such/model"], "--model /no/such/model: no such directory or file"),
+        (["--tokenizer", "/no/such/dir"], "--tokenizer /no/such/dir: no such directory or file"),
         (["--block-size", "512"], "block_size must be at most 256"),
         (["--tensor-parallel-size", "3"], "tensor-parallel size 3 does not divide"),
         (["--max-model-len", "4096"], "exceeds the model's max_position_embeddings (2048)"),
@@ -57,11 +59,33 @@ def test_serve_refuses_a_directory_that_is_not_a_model(tmp_path: Path) -> None:
     assert "not a Hugging Face model directory" in result.stderr
 
 
-@pytest.mark.parametrize("source", ["hf:/org/name", "s3://bucket/model", "hf://just-a-name"])
+@pytest.mark.parametrize(
+    "source",
+    ["hf:/org/name", "s3://bucket/model", "hf://just-a-name", "hf://org/name/model.bin"],
+)
 def test_download_refuses_what_is_not_a_hugging_face_uri(source: str, tmp_path: Path) -> None:
     result = run("download", source, str(tmp_path))
     assert result.returncode == 2
-    assert "expected hf://ORG/NAME" in result.stderr
+    assert (
+        "expected hf://ORG/NAME[@REVISION] or hf://ORG/NAME[@REVISION]/FILE.gguf" in result.stderr
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "repo", "revision", "file"),
+    [
+        ("hf://org/name", "org/name", None, None),
+        ("hf://org/name@main", "org/name", "main", None),
+        ("hf://org/name-GGUF/name.Q4_K_M.gguf", "org/name-GGUF", None, "name.Q4_K_M.gguf"),
+        ("hf://org/name@refs/pr/1/model.gguf", "org/name", "refs/pr/1", "model.gguf"),
+    ],
+)
+def test_hugging_face_uris_name_a_repository_or_one_gguf_file(
+    source: str, repo: str, revision: str | None, file: str | None
+) -> None:
+    match = HF_URI.match(source)
+    assert match is not None
+    assert (match["repo"], match["revision"], match["file"]) == (repo, revision, file)
 
 
 def test_demo_model_writes_the_builtin_checkpoint(tmp_path: Path) -> None:

