@@ -14,15 +14,19 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from e2e.client_checks import MAX_TOKENS, KeepStreaming, Load, run_checks
+from e2e.client_checks import client as openai_client
 from e2e.deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
+from e2e.gitops_standin import GitOpsStandin
 from e2e.kubelet_standin import HOST_PORTS_ANNOTATION
 from e2e.local_cluster import NAMESPACE, REPO, LocalCluster, eventually
 from pagedllm.operator.autoscaler import parse_prometheus_value
@@ -39,8 +43,9 @@ PLLM = f"/apis/pagedllm.io/v1alpha1/namespaces/{NAMESPACE}/pagedllms/{NAME}"
 PODS = f"/api/v1/namespaces/{NAMESPACE}/pods"
 # The autoscaling phase: a batch of two makes queue depth easy to reach on the demo model.
 ROLLOUT_MAX_NUM_SEQS = 2
+# Scale to zero when idle, and back from zero on the next request (held by the routers).
 AUTOSCALING = {
-    "minReplicas": 1,
+    "minReplicas": 0,
     "maxReplicas": 3,
     "metric": "waitingRequests",
     "target": 2,
@@ -244,38 +249,53 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
     ):
         kill_a_router(cluster, base_url, steps)
 
-    with steps("autoscaling (min 1, max 3, waitingRequests): idle, it goes down to min"):
-        cluster.kubectl(
-            "patch",
-            "pllm",
-            NAME,
-            "--type=merge",
-            "-p",
-            json.dumps({"spec": {"autoscaling": AUTOSCALING}}),
-        )
-        eventually(lambda: ready_with(cluster, 1), timeout=90, what="1 replica (the minimum)")
+    # Argo CD or Flux re-applying the repository's manifest all through the autoscaling.
+    with ExitStack() as during_autoscaling:
+        with steps("autoscaling (min 0, max 3, waitingRequests): idle, it scales to zero"):
+            patch_spec(cluster, {"autoscaling": AUTOSCALING})
+            gitops = during_autoscaling.enter_context(
+                GitOpsStandin(cluster.server, NAMESPACE, repository_manifest())
+            )
+            eventually(lambda: scaled_to_zero(cluster), timeout=90, what="zero replicas")
+            steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
+
+        with steps(
+            "at zero, a stream through the Service is held by a router, a pod starts, it completes"
+        ):
+            held_stream_wakes_it(cluster, base_url, steps)
+
+        with steps(
+            f"a load generator ({LOAD_CLIENTS} streaming clients) raises queue depth: replicas grow"
+        ):
+            with Load(base_url, MODEL, LOAD_CLIENTS) as load:
+                eventually(
+                    lambda: pagedllm(cluster)["spec"]["replicas"] > 1,
+                    timeout=60,
+                    what="the autoscaler to scale up",
+                )
+                steps.say(f"   {latest_event(cluster, 'ScaledUp')}")
+                grown = eventually(
+                    lambda: scaled_up_and_serving(cluster),
+                    timeout=150,
+                    what="the added replicas to serve",
+                )
+                steps.say(f"   {grown} replicas serve")
+            assert load.stats.requests > 0
+
+        with steps("load stops: back to zero after scaleDownDelaySeconds"):
+            eventually(lambda: scaled_to_zero(cluster), timeout=120, what="back to zero")
+            steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
 
     with steps(
-        f"a load generator ({LOAD_CLIENTS} streaming clients) raises queue depth: replicas grow"
+        "GitOps stand-in (server-side apply, own field manager, no spec.replicas) meanwhile"
     ):
-        with Load(base_url, MODEL, LOAD_CLIENTS) as load:
-            eventually(
-                lambda: pagedllm(cluster)["spec"]["replicas"] > 1,
-                timeout=60,
-                what="the autoscaler to scale up",
-            )
-            steps.say(f"   {latest_event(cluster, 'ScaledUp')}")
-            grown = eventually(
-                lambda: scaled_up_and_serving(cluster),
-                timeout=150,
-                what="the added replicas to serve",
-            )
-            steps.say(f"   {grown} replicas serve")
-        assert load.stats.requests > 0
-
-    with steps("load stops: back to min after scaleDownDelaySeconds"):
-        eventually(lambda: ready_with(cluster, 1), timeout=120, what="back to 1 replica")
-        steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
+        stats = gitops.stats
+        steps.say(
+            f"   {stats.applies} applies, {stats.raced} alongside an autoscaler write; "
+            "PagedLLM and Deployment generations and replicas never moved by an apply"
+        )
+        assert not stats.problems, stats.problems
+        assert stats.applies - stats.raced >= 3, stats
 
     with steps("kubectl delete pllm/demo: pods, routers and Services gone, no process left"):
         cluster.kubectl("delete", "pllm", NAME, "--timeout=60s")
@@ -299,6 +319,85 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         eventually(
             lambda: not cluster.pod_processes(), timeout=30, what="every pod process to exit"
         )
+
+
+def patch_spec(cluster: LocalCluster, spec: dict[str, Any]) -> None:
+    """`kubectl patch --type=merge` of the PagedLLM's spec, as a user changes it."""
+    cluster.kubectl("patch", "pllm", NAME, "--type=merge", "-p", json.dumps({"spec": spec}))
+
+
+def repository_manifest() -> dict[str, Any]:
+    """The PagedLLM as a GitOps repository holds it by now: the scenario's manifest with the
+    engine setting and autoscaling the steps before added (the stand-in drops spec.replicas)."""
+    manifest = yaml.safe_load(SCENARIO.read_text())
+    manifest["metadata"]["namespace"] = NAMESPACE
+    manifest["spec"]["engine"]["maxNumSeqs"] = ROLLOUT_MAX_NUM_SEQS
+    manifest["spec"]["autoscaling"] = AUTOSCALING
+    return manifest
+
+
+def scaled_to_zero(cluster: LocalCluster) -> dict[str, Any] | None:
+    """The PagedLLM once it is at zero replicas with no serving pod left (not even a stopping
+    one) and its routers ready to hold what comes."""
+    body = pagedllm(cluster)
+    status = body.get("status") or {}
+    if (
+        body["spec"].get("replicas") == 0
+        and status.get("observedGeneration") == body["metadata"]["generation"]
+        and not status.get("readyReplicas")
+        and not pods(cluster)
+        and len(ready_routers(cluster)) == ROUTERS
+        and condition(body, "Ready").get("reason") == "ScaledToZero"
+    ):
+        return body
+    return None
+
+
+def held_requests(cluster: LocalCluster) -> float:
+    """Requests the routers hold for a ready serving pod, all together."""
+    return sum(
+        pod_metric(router, "pagedllm:router_held_requests") for router in ready_routers(cluster)
+    )
+
+
+def held_stream_wakes_it(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
+    """One streaming completion sent while nothing serves: a router holds it and writes /scale,
+    the pod starts, and the stream runs to its end with no error and no retry."""
+    api = openai_client(base_url, None, timeout=300)
+    pieces: list[str] = []
+    finish: list[str | None] = []
+    first_token: list[float] = []
+
+    def stream() -> None:
+        sent = time.monotonic()
+        for chunk in api.completions.create(
+            model=MODEL, prompt="Wake up,", max_tokens=MAX_TOKENS, temperature=0, stream=True
+        ):
+            for choice in chunk.choices:
+                if not first_token and choice.text:
+                    first_token.append(time.monotonic() - sent)
+                pieces.append(choice.text)
+                finish.append(choice.finish_reason)
+
+    with ThreadPoolExecutor(1) as pool:
+        sent_at = time.monotonic()
+        answer = pool.submit(stream)
+        eventually(lambda: held_requests(cluster) == 1, timeout=30, what="a router to hold it")
+        steps.say(f"   held after {time.monotonic() - sent_at:.1f} s while 0 pods serve")
+        eventually(
+            lambda: pagedllm(cluster)["spec"]["replicas"] >= 1,
+            timeout=30,
+            what="the PagedLLM to be scaled from zero",
+        )
+        answer.result(timeout=240)
+    text = "".join(pieces)
+    assert text and finish[-1] in ("stop", "length"), (pieces, finish)
+    assert first_token, "no token came"
+    steps.say(
+        f"   first token {first_token[0]:.1f} s after the request (a pod's whole start), "
+        f"{len([p for p in pieces if p])} chunks, finish_reason {finish[-1]}"
+    )
+    eventually(lambda: ready_with(cluster, 1), timeout=60, what="1 replica serving")
 
 
 def scaled_up_and_serving(cluster: LocalCluster) -> int | None:
@@ -435,14 +534,7 @@ def rolling_update(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
         KeepStreaming(base_url, MODEL, max_tokens=LONG_STREAM_TOKENS, ignore_eos=True) as long,
     ):
         time.sleep(1)  # streaming before the rollout starts
-        cluster.kubectl(
-            "patch",
-            "pllm",
-            NAME,
-            "--type=merge",
-            "-p",
-            json.dumps({"spec": {"engine": {"maxNumSeqs": ROLLOUT_MAX_NUM_SEQS}}}),
-        )
+        patch_spec(cluster, {"engine": {"maxNumSeqs": ROLLOUT_MAX_NUM_SEQS}})
         eventually(rolled_out, timeout=240, what="the rollout to finish", interval=0.5)
         cluster.kubectl("rollout", "status", f"deployment/{NAME}", "--timeout=10s")
         time.sleep(1)  # and streaming on the new pods

@@ -12,7 +12,9 @@ from typing import Any
 
 from pagedllm.operator.spec import (
     API_VERSION,
+    GROUP,
     KIND,
+    PLURAL,
     AutoscalingMode,
     ModelSourceKind,
     PagedLLMSpec,
@@ -47,7 +49,7 @@ ROUTER_APP_NAME = "pagedllm-router"
 # Where routers find the demo model's tokenizer (written by an init container).
 DEMO_MODEL_SUBDIR = "demo"
 DEFAULT_ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}}
-# Routers only read which serving pods are ready, from their Service's EndpointSlices.
+# Routers read which serving pods are ready, from their Service's EndpointSlices.
 ROUTER_RBAC_RULES = (
     {
         "apiGroups": ["discovery.k8s.io"],
@@ -55,6 +57,26 @@ ROUTER_RBAC_RULES = (
         "verbs": ["get", "list", "watch"],
     },
 )
+
+
+def router_rbac_rules(owner_name: str) -> list[dict[str, Any]]:
+    """The discovery rule, and scale from zero: read and write the `/scale` of their own
+    PagedLLM only (not the PagedLLM itself, whose spec they have no business changing)."""
+    return [
+        *(dict(rule) for rule in ROUTER_RBAC_RULES),
+        {
+            "apiGroups": [GROUP],
+            "resources": [f"{PLURAL}/scale"],
+            "resourceNames": [owner_name],
+            "verbs": ["get", "patch"],
+        },
+    ]
+
+
+def wake_replicas(spec: PagedLLMSpec) -> int:
+    """What routers ask for when they find the PagedLLM at zero: max(minReplicas, 1)."""
+    minimum = spec.autoscaling.min_replicas if spec.autoscaling is not None else 1
+    return max(minimum, 1)
 
 
 @dataclass(frozen=True)
@@ -507,6 +529,18 @@ def router_args(owner: Owner, spec: PagedLLMSpec, model_path: str) -> list[str]:
         str(router.load_bound),
         "--max-held-requests",
         str(router.max_held_requests),
+        "--hold-timeout",
+        str(router.hold_timeout_seconds),
+        *(
+            [
+                "--scale-from-zero",
+                owner.name,
+                "--scale-from-zero-replicas",
+                str(wake_replicas(spec)),
+            ]
+            if router.max_held_requests > 0
+            else []
+        ),
         # Streams through a stopping router may last as long as the node's own drain.
         "--shutdown-timeout",
         str(spec.drain_timeout_seconds),
@@ -611,7 +645,7 @@ def build_router_rbac(owner: Owner) -> list[dict[str, Any]]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": _metadata(owner, name, labels),
-            "rules": [dict(rule) for rule in ROUTER_RBAC_RULES],
+            "rules": router_rbac_rules(owner.name),
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",

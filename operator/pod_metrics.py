@@ -68,3 +68,13 @@ async def read_ready_pods(
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
         values = await asyncio.gather(*(_read_one(client, url, metric_name) for url in urls))
     return [value for value in values if value is not None]
+
+
+# The routers' gauge of requests waiting for a ready serving pod (scale from zero).
+HELD_REQUESTS_METRIC = "pagedllm:router_held_requests"
+
+
+async def read_held_requests(router_pods: Sequence[Mapping[str, Any]], timeout: float) -> float:
+    """Requests the ready routers hold, all together (a router that does not answer counts
+    none: its held requests show again at the next look)."""
+    return sum(await read_ready_pods(router_pods, HELD_REQUESTS_METRIC, timeout))

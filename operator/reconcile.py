@@ -26,7 +26,7 @@ from pagedllm.operator.config import OperatorConfig
 from pagedllm.operator.drift import first_difference, stamped
 from pagedllm.operator.kube import KubeClient, now_rfc3339
 from pagedllm.operator.live import FreshReads, Live, Snapshot
-from pagedllm.operator.pod_metrics import is_ready, read_ready_pods
+from pagedllm.operator.pod_metrics import is_ready, read_held_requests, read_ready_pods
 from pagedllm.operator.spec import (
     API_VERSION,
     KIND,
@@ -331,6 +331,10 @@ async def _autoscale(ctx: OperatorContext, body: Mapping[str, Any], live: Live) 
         pods, scaling.metric.prometheus_name, ctx.config.metrics_timeout_seconds
     )
     ready = sum(1 for pod in pods if is_ready(pod))
+    held = 0.0
+    if spec.router.enabled:
+        routers = await live.pods(router_selector_labels(owner.name))
+        held = await read_held_requests(routers, ctx.config.metrics_timeout_seconds)
     decision, state = decide(
         ctx.autoscalers.get(owner.uid, AutoscalerState()),
         current=current,
@@ -338,6 +342,7 @@ async def _autoscale(ctx: OperatorContext, body: Mapping[str, Any], live: Live) 
         per_pod=per_pod,
         scaling=scaling,
         now=time.monotonic(),
+        held=held,
     )
     ctx.autoscalers[owner.uid] = state
     if decision.replicas == spec.replicas:

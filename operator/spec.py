@@ -216,8 +216,11 @@ class RouterSpec:
     policy: RouterPolicy = RouterPolicy.PREFIX
     # No pod gets a request while its load is above this multiple of the mean.
     load_bound: float = 1.25
-    # Requests held while no serving pod is ready; 0 answers 503 at once.
-    max_held_requests: int = 0
+    # Requests each router holds while no serving pod is ready (scaled to zero, or all pods
+    # restarting); 0 answers 503 at once.
+    max_held_requests: int = 64
+    # How long a held request waits for a ready pod before its 503.
+    hold_timeout_seconds: int = 600
     resources: dict[str, Any] = field(default_factory=dict)
 
 
@@ -383,6 +386,9 @@ def parse_router(raw: Mapping[str, Any]) -> RouterSpec:
         policy=policy,
         load_bound=_pick(raw, "loadBound", defaults.load_bound, float, "router."),
         max_held_requests=_pick(raw, "maxHeldRequests", defaults.max_held_requests, int, "router."),
+        hold_timeout_seconds=_pick(
+            raw, "holdTimeoutSeconds", defaults.hold_timeout_seconds, int, "router."
+        ),
         resources=dict(_section(raw, "resources", "router.")),
     )
     if router.replicas < 1:
@@ -396,6 +402,8 @@ def parse_router(raw: Mapping[str, Any]) -> RouterSpec:
         )
     if router.max_held_requests < 0:
         raise InvalidSpec("spec.router.maxHeldRequests must not be negative")
+    if router.hold_timeout_seconds < 1:
+        raise InvalidSpec("spec.router.holdTimeoutSeconds must be at least 1")
     return router
 
 

@@ -114,7 +114,10 @@ def router_condition(router: RouterObserved | None) -> Condition:
 def _ready_condition(desired: int, ready: int, router: RouterObserved | None) -> Condition:
     if desired == 0:
         return Condition(
-            READY, False, "ScaledToZero", "no replicas; scale up through /scale to serve"
+            READY,
+            False,
+            "ScaledToZero",
+            "no replicas; a request the routers hold scales it up, as does a write to /scale",
         )
     if ready < desired:
         return Condition(READY, False, "ReplicasNotReady", f"{ready}/{desired} replicas ready")

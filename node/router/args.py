@@ -21,6 +21,7 @@ from pagedllm.serve.args import (
     non_negative_int,
     port_number,
     positive_float,
+    positive_int,
 )
 
 DEFAULT_PORT = 8000
@@ -50,6 +51,9 @@ class RouterArgs:
     # The Kubernetes Service whose ready endpoints are the backends (instead of --backends).
     discover_namespace: str | None = None
     discover_service: str | None = None
+    # The PagedLLM (in the discovery namespace) to scale from zero while requests are held.
+    scale_from_zero: str | None = None
+    scale_from_zero_replicas: int = 1
 
 
 def backend_url(text: str) -> str:
@@ -165,6 +169,21 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long a held request waits for a ready node (default 600)",
     )
     p.add_argument(
+        "--scale-from-zero",
+        type=kubernetes_name,
+        default=None,
+        metavar="PAGEDLLM",
+        help="with discovery and --max-held-requests: while requests are held, write this "
+        "PagedLLM's /scale (in --discover-namespace) if it is at zero replicas",
+    )
+    p.add_argument(
+        "--scale-from-zero-replicas",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="the replicas --scale-from-zero asks for (default 1)",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help=f"require `Authorization: Bearer KEY`, and send it to the nodes (default: "
@@ -221,6 +240,10 @@ def router_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Rout
             "--backends is required (the serving nodes to route to), or "
             "--discover-namespace with --discover-service"
         )
+    if ns.scale_from_zero is not None and not discovering:
+        parser.error("--scale-from-zero needs --discover-namespace and --discover-service")
+    if ns.scale_from_zero is not None and ns.max_held_requests == 0:
+        parser.error("--scale-from-zero needs --max-held-requests above 0 (requests to hold)")
     return RouterArgs(
         model_dir=str(model_dir.resolve()),
         model_names=list(ns.served_model_name or [ns.model]),
@@ -240,4 +263,6 @@ def router_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Rout
         log_level=ns.log_level,
         discover_namespace=ns.discover_namespace,
         discover_service=ns.discover_service,
+        scale_from_zero=ns.scale_from_zero,
+        scale_from_zero_replicas=ns.scale_from_zero_replicas,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.api.errors import unavailable
@@ -68,10 +69,16 @@ class Router:
     settings: RoutingSettings
     metrics: RouterMetrics
     rng: random.Random = field(default_factory=random.Random)
+    # Called when a request starts to wait (scale from zero asks for capacity then).
+    on_hold: Callable[[], None] | None = None
     _turn: int = 0
     _held: int = 0
     _pending: dict[str, Pending] = field(default_factory=dict)
     _placed: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def held(self) -> int:
+        return self._held
 
     async def ready_backends(self) -> list[Backend]:
         """The ready backends; with none, hold the request for one (up to the limits) or
@@ -87,6 +94,8 @@ class Router:
             raise unavailable(f"no serving node is ready{detail}; retry the request", reason)
         self._held += 1
         self.metrics.held.inc()
+        if self.on_hold is not None:
+            self.on_hold()
         try:
             ready = await self.fleet.wait_ready(s.hold_timeout)
         finally:

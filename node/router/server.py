@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import httpx
 import uvicorn
@@ -28,6 +29,9 @@ from pagedllm.router.metrics import RouterMetrics
 from pagedllm.router.proxy import Forwarder
 from pagedllm.router.routing import Router
 from pagedllm.serve.child_process import LOG_FORMAT
+
+if TYPE_CHECKING:
+    from pagedllm.router.waker import Waker
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,27 @@ class _DrainingServer(uvicorn.Server):
                 self.state.in_flight,
             )
         self.should_exit = True
+
+
+def _waker(args: RouterArgs, state: RouterState) -> Waker:
+    """Asks for capacity while requests are held (credentials as discovery has them)."""
+    # Imported only here, like discovery: the kubernetes package is not needed without it.
+    from pagedllm.router.discovery import load_api_client
+    from pagedllm.router.waker import ScaleTarget, Waker
+
+    assert args.scale_from_zero is not None and args.discover_namespace is not None
+    target = ScaleTarget(
+        args.discover_namespace, args.scale_from_zero, args.scale_from_zero_replicas
+    )
+    fleet = state.router.fleet
+    waker = Waker(
+        target,
+        load_api_client(),
+        held=lambda: state.router.held,
+        ready=lambda: bool(fleet.ready()),
+    )
+    state.router.on_hold = waker.poke
+    return waker
 
 
 def main(args: RouterArgs, sources: Sequence[BackendSource] = ()) -> int:
@@ -142,6 +167,8 @@ async def _serve(
     )
     server = _DrainingServer(config, state, args.shutdown_timeout)
     watchers = [asyncio.create_task(source(fleet.set_backends)) for source in sources]
+    if args.scale_from_zero is not None and args.discover_namespace is not None:
+        watchers.append(asyncio.create_task(_waker(args, state).run(), name="scale-from-zero"))
     if not sources:
         fleet.set_backends(args.backends)
     try:

@@ -70,7 +70,8 @@ def test_operator_defaults_are_the_schema_defaults() -> None:
         "replicas": 2,
         "policy": "prefix",
         "loadBound": 1.25,
-        "maxHeldRequests": 0,
+        "maxHeldRequests": 64,
+        "holdTimeoutSeconds": 600,
     }
     assert parse_spec(defaulted["spec"]) == parse_spec(bare["spec"])
     off = crd_validation.apply_defaults(SCHEMA, resource(router={"enabled": False}))
@@ -113,6 +114,7 @@ def test_operator_defaults_are_the_schema_defaults() -> None:
         ({"router": {"replicas": 0}}, "0 is less than the minimum of 1"),
         ({"router": {"loadBound": 0.5}}, "0.5 is less than the minimum of 1"),
         ({"router": {"maxHeldRequests": -1}}, "-1 is less than the minimum of 0"),
+        ({"router": {"holdTimeoutSeconds": 0}}, "0 is less than the minimum of 1"),
         ({"router": {"enabled": "no"}}, "'no' is not of type 'boolean'"),
         ({"router": {"resources": {"requests": {"cpu": "fast"}}}}, "does not match"),
     ],

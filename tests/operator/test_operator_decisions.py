@@ -75,6 +75,39 @@ def test_scale_to_zero_and_stay_without_metrics() -> None:
     assert run([(0, 2, [0, 0]), (6, 2, [0, 0]), (20, 0, [])], zero) == [2, 0, 0]
 
 
+def test_held_requests_wake_from_zero_and_hold_off_scale_to_zero() -> None:
+    zero = AutoscalingSpec(min_replicas=0, max_replicas=4, target=4, scale_down_delay_seconds=5)
+    state = AutoscalerState()
+    # At zero: requests held by the routers are load; 9 of them at 4 per pod want 3.
+    decision, state = decide(state, current=0, ready=0, per_pod=[], scaling=zero, now=0, held=9)
+    assert decision.replicas == 3 and "9 requests held" in decision.explanation
+    decision, state = decide(state, current=0, ready=0, per_pod=[], scaling=zero, now=0, held=1)
+    assert decision.replicas == 1
+    # Pods starting while requests wait: nothing moves.
+    decision, state = decide(state, current=1, ready=0, per_pod=[], scaling=zero, now=1, held=1)
+    assert decision.replicas == 1
+    # An idle pod but a request still held somewhere: never down to zero.
+    steps = [(t, [0.0], 1.0) for t in (2, 10, 20)] + [(21, [0.0], 0.0), (30, [0.0], 0.0)]
+    replicas = []
+    for now, per_pod, held in steps:
+        decision, state = decide(
+            state, current=1, ready=1, per_pod=per_pod, scaling=zero, now=now, held=held
+        )
+        replicas.append(decision.replicas)
+    # Down only once a whole scaleDownDelaySeconds passed with nothing held.
+    assert replicas == [1, 1, 1, 1, 0]
+
+
+def test_held_requests_keep_one_replica_on_a_usage_metric() -> None:
+    usage = AutoscalingSpec(
+        min_replicas=0, max_replicas=4, target=0.8, metric=Metric.KV_CACHE_USAGE
+    )
+    decision, _ = decide(
+        AutoscalerState(), current=0, ready=0, per_pod=[], scaling=usage, now=0, held=5
+    )
+    assert decision.replicas == 1
+
+
 PROMETHEUS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

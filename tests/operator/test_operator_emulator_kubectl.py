@@ -58,6 +58,7 @@ def test_router_fields_are_explained_and_checked(kubectl: Kubectl, crd: dict) ->
     out = kubectl("explain", "pagedllm.spec.router").stdout
     assert re.findall(r"^  (\w+)\t", out, flags=re.MULTILINE) == [
         "enabled",
+        "holdTimeoutSeconds",
         "loadBound",
         "maxHeldRequests",
         "policy",
@@ -82,7 +83,8 @@ def test_router_fields_are_explained_and_checked(kubectl: Kubectl, crd: dict) ->
         "replicas": 2,
         "policy": "prefix",
         "loadBound": 1.25,
-        "maxHeldRequests": 0,
+        "maxHeldRequests": 64,
+        "holdTimeoutSeconds": 600,
     }
 
 

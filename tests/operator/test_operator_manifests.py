@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from pagedllm.operator.children import (
-    ROUTER_RBAC_RULES,
     Owner,
     build_children,
     build_router_rbac,
+    router_rbac_rules,
 )
 from pagedllm.operator.live import CHILD_KINDS, SERVICE_MONITOR_KIND
 from pagedllm.operator.spec import parse_spec
@@ -128,7 +128,7 @@ def test_rbac_has_no_wildcards_and_covers_every_call(rendered: list[dict[str, An
     # Kubernetes lets the operator create the routers' Role only with what it grants.
     router_grants = {
         (g, r, v)
-        for rule in ROUTER_RBAC_RULES
+        for rule in router_rbac_rules("x")
         for g in rule["apiGroups"]
         for r in rule["resources"]
         for v in rule["verbs"]
@@ -137,7 +137,7 @@ def test_rbac_has_no_wildcards_and_covers_every_call(rendered: list[dict[str, An
     assert not any(r == "secrets" for _, r, _ in granted)
 
 
-def test_routers_may_only_read_endpointslices() -> None:
+def test_routers_may_only_read_endpointslices_and_scale_their_own_pagedllm() -> None:
     spec = parse_spec({"model": {"servedName": "x"}})
     role = next(m for m in build_router_rbac(OWNER) if m["kind"] == "Role")
     assert role["rules"] == [
@@ -145,7 +145,13 @@ def test_routers_may_only_read_endpointslices() -> None:
             "apiGroups": ["discovery.k8s.io"],
             "resources": ["endpointslices"],
             "verbs": ["get", "list", "watch"],
-        }
+        },
+        {
+            "apiGroups": ["pagedllm.io"],
+            "resources": ["pagedllms/scale"],
+            "resourceNames": [OWNER.name],
+            "verbs": ["get", "patch"],
+        },
     ]
     assert "ClusterRole" not in {m["kind"] for m in build_children(OWNER, spec, 1, False).wanted}
 

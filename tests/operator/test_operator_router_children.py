@@ -124,7 +124,13 @@ def test_one_router_has_no_disruption_budget() -> None:
 
 def test_router_flags_follow_the_spec() -> None:
     spec = spec_with(
-        {"replicas": 3, "policy": "least-load", "loadBound": 1.5, "maxHeldRequests": 64}
+        {
+            "replicas": 3,
+            "policy": "least-load",
+            "loadBound": 1.5,
+            "maxHeldRequests": 32,
+            "holdTimeoutSeconds": 120,
+        }
     )
     (container,) = router_pod(spec)["containers"]
     args = container["args"]
@@ -133,7 +139,11 @@ def test_router_flags_follow_the_spec() -> None:
     assert flag(args, "--discover-service") == "llama-serving"
     assert flag(args, "--policy") == "least-load"
     assert flag(args, "--load-bound") == "1.5"
-    assert flag(args, "--max-held-requests") == "64"
+    assert flag(args, "--max-held-requests") == "32"
+    assert flag(args, "--hold-timeout") == "120"
+    # Holding routers wake their own PagedLLM from zero.
+    assert flag(args, "--scale-from-zero") == OWNER.name
+    assert flag(args, "--scale-from-zero-replicas") == "1"
     assert flag(args, "--served-model-name") == "demo"
     assert flag(args, "--port") == str(HTTP_PORT)
     assert "--backends" not in args
@@ -226,9 +236,25 @@ def test_router_resources_can_be_set() -> None:
     assert container["resources"] == {"limits": {"cpu": "2", "memory": "1Gi"}}
 
 
+def test_scale_from_zero_asks_for_the_minimum_and_needs_holding() -> None:
+    scaled = parse_spec(
+        {**SPECS["demo"], "autoscaling": {"minReplicas": 3, "maxReplicas": 5, "target": 4}}
+    )
+    (container,) = router_pod(scaled)["containers"]
+    assert flag(container["args"], "--scale-from-zero-replicas") == "3"
+    (container,) = router_pod(spec_with({"maxHeldRequests": 0}))["containers"]
+    assert "--scale-from-zero" not in container["args"]
+    assert flag(container["args"], "--max-held-requests") == "0"
+
+
 def test_router_spec_defaults_and_errors() -> None:
     assert spec_with().router == RouterSpec(
-        enabled=True, replicas=2, policy=RouterPolicy.PREFIX, load_bound=1.25
+        enabled=True,
+        replicas=2,
+        policy=RouterPolicy.PREFIX,
+        load_bound=1.25,
+        max_held_requests=64,
+        hold_timeout_seconds=600,
     )
     assert spec_with({"loadBound": 2}).router.load_bound == 2.0
     for router, message in [
@@ -236,6 +262,7 @@ def test_router_spec_defaults_and_errors() -> None:
         ({"replicas": 0}, r"spec\.router\.replicas must be at least 1 .*enabled: false"),
         ({"loadBound": 0.9}, r"spec\.router\.loadBound must be at least 1\.0"),
         ({"maxHeldRequests": -1}, r"spec\.router\.maxHeldRequests must not be negative"),
+        ({"holdTimeoutSeconds": 0}, r"spec\.router\.holdTimeoutSeconds must be at least 1"),
         ({"enabled": "yes"}, r"spec\.router\.enabled: 'yes' has the wrong type"),
         ({"replicas": 1.5}, r"spec\.router\.replicas: 1\.5 has the wrong type"),
         ({"resources": "big"}, r"spec\.router\.resources must be an object"),
@@ -255,6 +282,7 @@ def test_the_router_accepts_the_flags_the_operator_writes(policy: str) -> None:
     parsed = build_parser().parse_args(["router", *container["args"]])
     assert parsed.policy == policy
     assert parsed.load_bound == 1.5 and parsed.max_held_requests == 8
+    assert parsed.hold_timeout == 600 and parsed.scale_from_zero == "llama"
     assert (parsed.discover_namespace, parsed.discover_service) == ("models", "llama-serving")
     assert parsed.backends is None
     assert parsed.shutdown_timeout == spec.drain_timeout_seconds
