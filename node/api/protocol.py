@@ -43,6 +43,33 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class StructuredOutputsBody(_Body):
+    """vLLM's ``structured_outputs`` request field (exactly one constraint)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Text
+    description: Text | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Body):
     model: Text | None = None
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
@@ -65,9 +92,17 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     logit_bias: dict[str, float] | None = None
+    # Output constraints: vLLM's field, its older guided_* names, OpenAI's response_format.
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None
+    response_format: ResponseFormat | None = None
 
     # Fields this server does not implement, refused when set rather than silently ignored.
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("logit_bias",)
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("logit_bias", "guided_whitespace_pattern")
 
     def unsupported_fields(self) -> list[str]:
         return [name for name in self.UNSUPPORTED if getattr(self, name, None)]
@@ -80,7 +115,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Text | None = None
 
-    UNSUPPORTED = ("logit_bias", "suffix")
+    UNSUPPORTED = ("logit_bias", "guided_whitespace_pattern", "suffix")
 
 
 class TextPart(_Body):
@@ -104,9 +139,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
-    response_format: Any = None
 
-    UNSUPPORTED = ("logit_bias", "tools", "functions", "response_format")
+    UNSUPPORTED = ("logit_bias", "guided_whitespace_pattern", "tools", "functions")
 
 
 class TokenizeCompletionRequest(_Body):

@@ -23,6 +23,7 @@ from pagedllm.api.limits import (
     samples_refusal,
     tokens_refusal,
 )
+from pagedllm.api.output_constraints import ConstraintError, output_constraint
 from pagedllm.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -259,6 +260,10 @@ def sampling_params(
     if body.stream and body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of must equal n when streaming", param="best_of")
     try:
+        constraint = output_constraint(body)
+    except ConstraintError as error:
+        raise ApiError(400, str(error), param=error.param) from None
+    try:
         return SamplingParams(
             n=body.n,
             best_of=body.best_of,
@@ -279,6 +284,7 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            structured_outputs=constraint,
         )
     except ValueError as error:
         # SamplingParams names the offending field first ("top_p must be in (0, 1], got 0").

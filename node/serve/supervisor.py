@@ -232,6 +232,7 @@ class Supervisor:
                     pid,
                     args.async_scheduling,
                     args.step_timeout,
+                    args.model_dir,
                 ),
             )
         )

@@ -1,4 +1,5 @@
-"""Turning logits into tokens: penalties, min_tokens, temperature, top-k/p, min-p, beams.
+"""Turning logits into tokens: penalties, min_tokens, grammars, temperature, top-k/p, min-p,
+beams.
 
 Seeded rows draw from a generator seeded by (seed, output position), so a seeded request
 gives the same tokens whatever else is in the batch and after a preemption.
@@ -7,11 +8,15 @@ gives the same tokens whatever else is in the batch and after a preemption.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.core.step_plan import SamplingSpec
 from pagedllm.sampling_params import derive_seed, mix_seed
+
+if TYPE_CHECKING:
+    from pagedllm.structured.matchers import TokenMask
 
 # Temperatures below this are greedy: dividing by them overflows float32 logits.
 SAMPLING_EPS = 1e-5
@@ -84,11 +89,15 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.argmax(probs / noise))
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
-    """Sample each row of ``logits`` ([len(rows), vocab], float32) by its spec."""
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], mask: TokenMask | None = None
+) -> list[Sampled]:
+    """Sample each row of ``logits`` ([len(rows), vocab], float32) by its spec; ``mask``
+    holds the tokens the constrained rows' grammars allow. Log probabilities are those of the
+    model, before penalties and grammars."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    needs_processing = any(
+    needs_processing = mask is not None or any(
         r.spec.repetition_penalty != 1.0
         or r.spec.frequency_penalty
         or r.spec.presence_penalty
@@ -98,6 +107,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
     processed = logits.clone() if needs_processing else logits
     if needs_processing:
         _apply_penalties(processed, rows)
+    if mask is not None:
+        mask.apply(processed)
     greedy_tokens = torch.argmax(processed, dim=-1).tolist()
     results: list[Sampled] = []
     for i, row in enumerate(rows):
