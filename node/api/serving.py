@@ -15,6 +15,8 @@ from typing import Any, ClassVar, TypeVar
 import anyio
 import anyio.to_thread
 
+from pagedllm.api.chat_settings import ChatSettings
+from pagedllm.api.chat_template import ChatRendering, chat_template, template_message
 from pagedllm.api.engine_client import EngineClient, NodeState
 from pagedllm.api.generation import Generation, GenerationError, Step, TokenizedPrompt
 from pagedllm.api.limits import (
@@ -32,7 +34,7 @@ from pagedllm.api.protocol import (
 )
 from pagedllm.output.processor import TextDelta
 from pagedllm.outputs import CompletionOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.serve.metrics import RequestRecorder
 
 # JSON has no -inf; OpenAI clients expect a number (vLLM's choice).
@@ -95,6 +97,7 @@ class ServingContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     # The longest token's byte length (token_bytes.max_token_bytes); None: no sound bound.
     max_token_bytes: int | None = None
+    chat: ChatSettings = field(default_factory=ChatSettings)
     _large: anyio.CapacityLimiter = field(
         default_factory=lambda: anyio.CapacityLimiter(LARGE_TEXT_THREADS), init=False
     )
@@ -156,19 +159,27 @@ class ServingContext:
         )
         return await self.in_thread(len(text), encode, text)
 
-    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
+    async def render_chat(
+        self, messages: list[ChatMessage], options: ChatRendering | None = None
+    ) -> str:
+        options = options or ChatRendering()
+        template = chat_template(self.tokenizer, self.chat, options.uses_tools(messages))
+        if template is None:
             raise ApiError(
                 400, "this model has no chat template; use /v1/completions", param="messages"
             )
-        conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
+        conversation = [template_message(m) for m in messages]
         render = functools.partial(
             self.tokenizer.apply_chat_template,
+            tools=options.tools,
+            chat_template=template,
             tokenize=False,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **options.template_kwargs,
         )
         try:
-            size = sum(len(m["content"]) for m in conversation)
+            size = sum(len(str(m.get("content") or "")) for m in conversation)
             text: str = await self.in_thread(size, render, conversation)
         except Exception as error:  # the template's own raise_exception and jinja errors
             raise ApiError(
@@ -223,14 +234,6 @@ def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int
     return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
 
-def _message_text(message: ChatMessage) -> str:
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
-    return "\n".join(part.text for part in message.content)
-
-
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -251,7 +254,10 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
+    tool_constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
+    """The request's sampling settings; ``tool_constraint`` is the grammar a forced tool call
+    follows, which excludes any other output constraint."""
     unsupported = body.unsupported_fields()
     if unsupported:
         raise ApiError(
@@ -263,6 +269,15 @@ def sampling_params(
         constraint = output_constraint(body)
     except ConstraintError as error:
         raise ApiError(400, str(error), param=error.param) from None
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise ApiError(
+                400,
+                "a forced tool call (tool_choice required or named) cannot also follow "
+                "response_format or structured_outputs",
+                param="tool_choice",
+            )
+        constraint = tool_constraint
     try:
         return SamplingParams(
             n=body.n,

@@ -256,6 +256,7 @@ class Supervisor:
                 pid,
                 args.api_server_nice,
                 args.request_limits,
+                args.chat,
             )
             self.children.append(Child("api_server", index, ApiServerProcess(spec)))
 
