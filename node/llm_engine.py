@@ -13,6 +13,7 @@ from pagedllm.core.reporting import SchedulerStats
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import GrammarRef
 from pagedllm.models.tokenizer import load_tokenizer
+from pagedllm.output.bad_words import bad_words_token_ids
 from pagedllm.output.processor import RequestOutputState
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -72,6 +73,8 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         text, ids = self.tokenize(prompt)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         grammar = self._compile(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         arrival = arrival_time if arrival_time is not None else time.monotonic()

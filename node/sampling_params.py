@@ -130,6 +130,13 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> added to its logit, in [-100, 100] (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words never to write; the engine tokenizes them into bad_words_token_ids.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -239,6 +246,34 @@ class SamplingParams:
             )
         if self.structured_outputs is not None:
             self._validate_structured()
+        self._validate_token_rules()
+
+    def _validate_token_rules(self) -> None:
+        if self.logit_bias is not None:
+            _require(
+                all(
+                    isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+                    for t, b in self.logit_bias.items()
+                ),
+                "logit_bias",
+                "must map token ids to biases in [-100, 100]",
+                self.logit_bias,
+            )
+        if self.allowed_token_ids is not None:
+            _require(
+                bool(self.allowed_token_ids)
+                and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                "must be a non-empty list of token ids",
+                self.allowed_token_ids,
+            )
+        if self.bad_words is not None:
+            _require(
+                all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words",
+                "must be a list of non-empty strings",
+                self.bad_words,
+            )
 
     def _validate_structured(self) -> None:
         _require(

@@ -16,6 +16,21 @@ from typing import Any
 from pagedllm.api.chat_settings import ChatSettings
 from pagedllm.api.protocol import ChatMessage
 
+# Arguments of the template call that chat_template_kwargs may not set: the request's own
+# fields set them.
+RESERVED_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "chat_template",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "return_tensors",
+    }
+)
+
 
 @dataclass
 class ChatRendering:
@@ -24,6 +39,11 @@ class ChatRendering:
     tools: list[dict[str, Any]] | None = None
     # chat_template_kwargs: extra variables for the template (e.g. enable_thinking).
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        clash = sorted(RESERVED_KWARGS & set(self.template_kwargs))
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
 
     def uses_tools(self, messages: list[ChatMessage]) -> bool:
         return bool(self.tools) or any(m.tool_calls or m.role == "tool" for m in messages)

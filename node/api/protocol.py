@@ -91,7 +91,14 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, FiniteFloat] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[Text] | None = None
+    # vLLM fields this server does not implement (refused by name when set).
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    priority: int | None = None
+    truncate_prompt_tokens: int | None = None
     # Output constraints: vLLM's field, its older guided_* names, OpenAI's response_format.
     structured_outputs: StructuredOutputsBody | None = None
     guided_json: dict[str, Any] | Text | None = None
@@ -102,7 +109,13 @@ class _SamplingFields(_Body):
     response_format: ResponseFormat | None = None
 
     # Fields this server does not implement, refused when set rather than silently ignored.
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("logit_bias", "guided_whitespace_pattern")
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "guided_whitespace_pattern",
+        "prompt_logprobs",
+        "return_tokens_as_token_ids",
+        "priority",
+        "truncate_prompt_tokens",
+    )
 
     def unsupported_fields(self) -> list[str]:
         return [name for name in self.UNSUPPORTED if getattr(self, name, None)]
@@ -115,7 +128,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Text | None = None
 
-    UNSUPPORTED = ("logit_bias", "guided_whitespace_pattern", "suffix")
+    UNSUPPORTED = (*_SamplingFields.UNSUPPORTED, "suffix")
 
 
 class TextPart(_Body):
@@ -181,7 +194,7 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
 
-    UNSUPPORTED = ("logit_bias", "guided_whitespace_pattern", "functions")
+    UNSUPPORTED = (*_SamplingFields.UNSUPPORTED, "functions")
 
 
 class TokenizeCompletionRequest(_Body):

@@ -32,6 +32,7 @@ from pagedllm.api.protocol import (
     CompletionRequest,
     error_body,
 )
+from pagedllm.output.bad_words import bad_words_token_ids
 from pagedllm.output.processor import TextDelta
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -250,6 +251,7 @@ def clamp_logprob(logprob: float) -> float:
 
 
 def sampling_params(
+    ctx: ServingContext,
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int | None,
     logprobs: int | None,
@@ -278,6 +280,9 @@ def sampling_params(
                 param="tool_choice",
             )
         constraint = tool_constraint
+    logit_bias = _logit_bias(body.logit_bias)
+    ctx.check_token_ids(list(logit_bias or {}), "logit_bias")
+    ctx.check_token_ids(body.allowed_token_ids or [], "allowed_token_ids")
     try:
         return SamplingParams(
             n=body.n,
@@ -300,10 +305,32 @@ def sampling_params(
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             structured_outputs=constraint,
+            logit_bias=logit_bias,
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
+            bad_words_token_ids=(
+                bad_words_token_ids(ctx.tokenizer, body.bad_words) if body.bad_words else None
+            ),
         )
     except ValueError as error:
         # SamplingParams names the offending field first ("top_p must be in (0, 1], got 0").
         raise ApiError(400, str(error), param=str(error).split(" ", 1)[0]) from None
+
+
+def _logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids (as JSON keys, so text) to biases in [-100, 100]."""
+    if not given:
+        return None
+    bias = {}
+    for key, value in given.items():
+        if not key.strip().isdigit() or not -100.0 <= value <= 100.0:
+            raise ApiError(
+                400,
+                f"logit_bias maps token ids to values in [-100, 100], got {key!r}: {value}",
+                param="logit_bias",
+            )
+        bias[int(key)] = value
+    return bias
 
 
 def check_lengths(

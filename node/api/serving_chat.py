@@ -181,12 +181,15 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> Chat
         tool_constraint = None if tools is None else tools.constraint()
     except (ToolChoiceError, ValueError) as error:
         raise ApiError(400, str(error), param="tool_choice") from None
-    rendering = ChatRendering(
-        body.add_generation_prompt,
-        body.continue_final_message,
-        template_tools(body.tools),
-        dict(body.chat_template_kwargs or {}),
-    )
+    try:
+        rendering = ChatRendering(
+            body.add_generation_prompt,
+            body.continue_final_message,
+            template_tools(body.tools),
+            dict(body.chat_template_kwargs or {}),
+        )
+    except ValueError as error:
+        raise ApiError(400, str(error), param="chat_template_kwargs") from None
     text = await ctx.render_chat(body.messages, rendering)
     ctx.check_prompt_bytes(text)
     prompt = TokenizedPrompt(text, await ctx.encode(text, add_special_tokens=False))
@@ -195,7 +198,7 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> Chat
     if top is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     params = sampling_params(
-        body, max_tokens, (top or 0) if body.logprobs else None, None, tool_constraint
+        ctx, body, max_tokens, (top or 0) if body.logprobs else None, None, tool_constraint
     )
     ctx.check_request_tokens([prompt], params)
     ctx.check_token_ids(params.stop_token_ids or [], "stop_token_ids")

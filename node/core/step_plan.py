@@ -30,6 +30,10 @@ class SamplingSpec:
     beam_width: int = 0
     # The compiled grammar (of StepPlan.grammars) the outputs must follow, by its key.
     grammar_key: str | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    # Token sequences never to complete: the last token is blocked after the others.
+    bad_words_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

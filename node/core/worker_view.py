@@ -58,6 +58,9 @@ def sampling_spec(seq: Sequence) -> SamplingSpec:
         prompt_logprobs=p.prompt_logprobs,
         beam_width=p.beam_width if p.use_beam_search else 0,
         grammar_key=None if seq.request.grammar is None else seq.request.grammar.key,
+        logit_bias=dict(p.logit_bias or {}),
+        allowed_token_ids=None if p.allowed_token_ids is None else list(p.allowed_token_ids),
+        bad_words_ids=[list(w) for w in p.bad_words_token_ids or []],
     )
 
 

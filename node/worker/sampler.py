@@ -64,6 +64,34 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             logits[i, blocked[blocked < vocab]] = float("-inf")
 
 
+def _token_rules(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """logit_bias, allowed_token_ids and bad words, row by row."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        s = row.spec
+        if s.logit_bias:
+            ids = torch.tensor(list(s.logit_bias), dtype=torch.long)
+            bias = torch.tensor(list(s.logit_bias.values()), dtype=logits.dtype)
+            keep = ids < vocab
+            logits[i, ids[keep]] += bias[keep].to(logits.device)
+        if s.allowed_token_ids is not None:
+            allowed = torch.tensor(s.allowed_token_ids, dtype=torch.long)
+            allowed = allowed[allowed < vocab].to(logits.device)
+            kept = logits[i, allowed].clone()
+            logits[i] = float("-inf")
+            logits[i, allowed] = kept
+        for word in s.bad_words_ids:
+            prefix = word[:-1]
+            if not prefix or row.output_ids[-len(prefix) :] == prefix:
+                if word[-1] < vocab:
+                    logits[i, word[-1]] = float("-inf")
+
+
+def _has_token_rules(row: SampleRow) -> bool:
+    s = row.spec
+    return bool(s.logit_bias or s.allowed_token_ids is not None or s.bad_words_ids)
+
+
 def _filter(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p applied to one row; returns probabilities."""
     logits = logits / spec.temperature
@@ -97,16 +125,23 @@ def sample(
     model, before penalties and grammars."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    needs_processing = mask is not None or any(
-        r.spec.repetition_penalty != 1.0
-        or r.spec.frequency_penalty
-        or r.spec.presence_penalty
-        or len(r.output_ids) < r.spec.min_tokens
-        for r in rows
+    token_rules = any(_has_token_rules(r) for r in rows)
+    needs_processing = (
+        mask is not None
+        or token_rules
+        or any(
+            r.spec.repetition_penalty != 1.0
+            or r.spec.frequency_penalty
+            or r.spec.presence_penalty
+            or len(r.output_ids) < r.spec.min_tokens
+            for r in rows
+        )
     )
     processed = logits.clone() if needs_processing else logits
     if needs_processing:
         _apply_penalties(processed, rows)
+    if token_rules:
+        _token_rules(processed, rows)
     if mask is not None:
         mask.apply(processed)
     greedy_tokens = torch.argmax(processed, dim=-1).tolist()

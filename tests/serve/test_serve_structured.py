@@ -174,3 +174,52 @@ def test_malformed_constraints_are_400s(server: Server, extra: dict, param: str)
             model=DEMO_MODEL, prompt="x", max_tokens=5, extra_body=extra
         )
     assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_fields_that_change_nothing_are_accepted(server: Server) -> None:
+    reply = server.client().chat.completions.create(
+        model=DEMO_MODEL,
+        messages=MESSAGES,
+        max_completion_tokens=3,
+        user="someone",
+        metadata={"team": "a"},
+        store=False,
+    )
+    assert reply.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"priority": 1}, {"return_tokens_as_token_ids": True}, {"prompt_logprobs": 2}],
+)
+def test_fields_not_implemented_are_400s_naming_them(server: Server, extra: dict) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client().chat.completions.create(
+            model=DEMO_MODEL, messages=MESSAGES, max_completion_tokens=3, extra_body=extra
+        )
+    (name,) = extra
+    assert caught.value.body["param"] == name
+    assert name in caught.value.message
+
+
+def test_chat_template_kwargs_and_continue_final_message(server: Server) -> None:
+    client = server.client()
+    prefix = [*MESSAGES, {"role": "assistant", "content": "Sure:"}]
+    cont = client.chat.completions.create(
+        model=DEMO_MODEL,
+        messages=prefix,
+        max_completion_tokens=2,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    fresh = client.chat.completions.create(
+        model=DEMO_MODEL, messages=MESSAGES, max_completion_tokens=2
+    )
+    # Continued: the assistant's words end the prompt, with no end-of-turn after them.
+    assert cont.usage.prompt_tokens > fresh.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError):  # a variable the template call cannot take
+        client.chat.completions.create(
+            model=DEMO_MODEL,
+            messages=MESSAGES,
+            max_completion_tokens=2,
+            extra_body={"chat_template_kwargs": {"tokenize": True}},
+        )
