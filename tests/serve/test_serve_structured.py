@@ -9,9 +9,11 @@ from collections.abc import Iterator
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
 from pydantic import BaseModel, Field
 
 from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
+from tests.structured.strategies import json_schemas, regexes
 
 PERSON_SCHEMA = {
     "type": "object",
@@ -223,3 +225,46 @@ def test_chat_template_kwargs_and_continue_final_message(server: Server) -> None
             max_completion_tokens=2,
             extra_body={"chat_template_kwargs": {"tokenize": True}},
         )
+
+
+@settings(
+    max_examples=3,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(schema=json_schemas(), pattern=regexes())
+def test_streamed_outputs_follow_drawn_constraints(
+    server: Server, schema: dict, pattern: str
+) -> None:
+    """The property of tests/structured, a smaller sample through the server and streaming."""
+    client = server.client()
+    for constraint, check in (
+        (
+            {"json": schema, "disable_any_whitespace": True},
+            lambda t: jsonschema.validate(json.loads(t), schema),
+        ),
+        (
+            {"regex": pattern},
+            lambda t: re.fullmatch(pattern, t) or pytest.fail(f"{pattern!r} {t!r}"),
+        ),
+    ):
+        texts: dict[int, str] = {}
+        finish: dict[int, str] = {}
+        for chunk in client.completions.create(
+            model=DEMO_MODEL,
+            prompt="Write it:",
+            max_tokens=150,
+            n=2,
+            stream=True,
+            extra_body={"structured_outputs": constraint},
+        ):
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+                if choice.finish_reason is not None:
+                    finish[choice.index] = choice.finish_reason
+        finished = [texts[i] for i, reason in finish.items() if reason == "stop"]
+        assert finished, (constraint, texts)
+        for text in finished:
+            check(text)
