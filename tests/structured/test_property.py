@@ -38,7 +38,7 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[LLM]:
-    llm = LLM(kv_cache_memory=TINY_KV_CACHE)
+    llm = LLM(kv_cache_memory=TINY_KV_CACHE, max_model_len=256)
     yield llm
     assert llm.engine.scheduler.num_preemptions > 0, "the tiny cache never preempted"
 
