@@ -7,13 +7,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from pagedllm.llm import LLM
     from pagedllm.outputs import CompletionOutput, RequestOutput
-    from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+    from pagedllm.sampling_params import (
+        BeamSearchParams,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 
 def __getattr__(name: str):
@@ -22,7 +33,7 @@ def __getattr__(name: str):
         from pagedllm.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "BeamSearchParams"):
+    if name in ("SamplingParams", "BeamSearchParams", "StructuredOutputsParams"):
         from pagedllm import sampling_params
 
         return getattr(sampling_params, name)

@@ -11,7 +11,9 @@ from typing import Any
 from pagedllm.config import EngineConfig, resolve_model_dir, scheduler_config
 from pagedllm.core.reporting import SchedulerStats
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.sequence import GrammarRef
 from pagedllm.models.tokenizer import load_tokenizer
+from pagedllm.output.bad_words import bad_words_token_ids
 from pagedllm.output.processor import RequestOutputState
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -46,6 +48,7 @@ class LLMEngine:
         self._states: dict[str, RequestOutputState] = {}
         self._ids = itertools.count()
         self.last_step: StepTiming | None = None
+        self._grammar_compiler: Any = None
 
     def tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -70,13 +73,33 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         text, ids = self.tokenize(prompt)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        grammar = self._compile(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self._states[request_id] = RequestOutputState(
             request_id, text, ids, params, self.tokenizer, arrival
         )
-        self.scheduler.add_request(request_id, ids, params, self.eos_token_ids, arrival)
+        self.scheduler.add_request(request_id, ids, params, self.eos_token_ids, arrival, grammar)
         return request_id
+
+    def _compile(self, params: SamplingParams) -> GrammarRef | None:
+        """The request's grammar, compiled (or from the cache) before it is queued; a
+        constraint that cannot compile raises ``ValueError``. xgrammar is loaded by the first
+        constrained request."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammar_compiler is None:
+            from pagedllm.structured.compiler import GrammarCompiler, tokenizer_info
+
+            mc = self.runner.model_config
+            self._grammar_compiler = GrammarCompiler(
+                tokenizer_info(self.tokenizer, mc.vocab_size, list(self.eos_token_ids))
+            )
+            self.runner.enable_structured_outputs(self.tokenizer)
+        grammar: GrammarRef = self._grammar_compiler.compile(params.structured_outputs)
+        return grammar
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

@@ -2,7 +2,100 @@
 
 from __future__ import annotations
 
+import hashlib
+import json as json_module
 from dataclasses import dataclass, field
+from typing import Any
+
+# The kinds of constraint StructuredOutputsParams takes, one per request.
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's output constraints: exactly one of ``json`` (a JSON schema, as a dict or its
+    text), ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (EBNF in
+    the GBNF dialect) or ``json_object`` (any JSON object). ``disable_any_whitespace`` keeps
+    JSON compact (no whitespace between its tokens)."""
+
+    # A dict given here is kept as its JSON text, so that the settings travel as plain data.
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        schema: Any = self.json
+        if schema is not None and not isinstance(schema, str):
+            try:
+                self.json = json_module.dumps(schema)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"structured_outputs.json must be JSON: {error}") from None
+        if self.json_object is False:
+            self.json_object = None
+        given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
+        _require(
+            len(given) == 1,
+            "structured_outputs",
+            f"must set exactly one of {', '.join(CONSTRAINT_KINDS)}",
+            given,
+        )
+        if self.json is not None:
+            try:
+                parsed = json_module.loads(self.json)
+            except ValueError as error:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
+            _require(
+                isinstance(parsed, (dict, bool)),
+                "structured_outputs.json",
+                "must be a JSON schema (an object)",
+                type(parsed).__name__,
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(
+                    isinstance(value, str) and bool(value),
+                    f"structured_outputs.{name}",
+                    "must be a non-empty string",
+                    value,
+                )
+        if self.choice is not None:
+            _require(
+                isinstance(self.choice, list)
+                and bool(self.choice)
+                and all(isinstance(c, str) and c for c in self.choice),
+                "structured_outputs.choice",
+                "must be a non-empty list of non-empty strings",
+                self.choice,
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in CONSTRAINT_KINDS if getattr(self, k) is not None)
+
+    @property
+    def source(self) -> str:
+        """The constraint as one text: the schema, the regex, the grammar; the choices as
+        the grammar of their alternatives."""
+        if self.choice is not None:
+            # A GBNF string literal takes JSON's escapes.
+            return "root ::= " + " | ".join(
+                json_module.dumps(c, ensure_ascii=False) for c in self.choice
+            )
+        if self.json_object:
+            return ""
+        value = getattr(self, self.kind)
+        assert isinstance(value, str)
+        return value
+
+    @property
+    def key(self) -> str:
+        """Names the compiled grammar: equal for constraints that compile to the same one."""
+        text = json_module.dumps([self.kind, self.source, self.disable_any_whitespace])
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 @dataclass
@@ -36,6 +129,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
+    # token id -> added to its logit, in [-100, 100] (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words never to write; the engine tokenizes them into bad_words_token_ids.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +244,51 @@ class SamplingParams:
                 "beam search needs a beam width (best_of or n)",
                 self.best_of,
             )
+        if self.structured_outputs is not None:
+            self._validate_structured()
+        self._validate_token_rules()
+
+    def _validate_token_rules(self) -> None:
+        if self.logit_bias is not None:
+            _require(
+                all(
+                    isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+                    for t, b in self.logit_bias.items()
+                ),
+                "logit_bias",
+                "must map token ids to biases in [-100, 100]",
+                self.logit_bias,
+            )
+        if self.allowed_token_ids is not None:
+            _require(
+                bool(self.allowed_token_ids)
+                and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                "must be a non-empty list of token ids",
+                self.allowed_token_ids,
+            )
+        if self.bad_words is not None:
+            _require(
+                all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words",
+                "must be a list of non-empty strings",
+                self.bad_words,
+            )
+
+    def _validate_structured(self) -> None:
+        _require(
+            isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams",
+            type(self.structured_outputs).__name__,
+        )
+        # The grammar decides where the output ends: it cannot also be made to go on.
+        for name, clash in (
+            ("use_beam_search", self.use_beam_search),
+            ("ignore_eos", self.ignore_eos),
+            ("min_tokens", self.min_tokens > 0),
+        ):
+            _require(not clash, name, "cannot be combined with structured_outputs", True)
 
     @property
     def num_sequences(self) -> int:

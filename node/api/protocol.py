@@ -43,6 +43,33 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class StructuredOutputsBody(_Body):
+    """vLLM's ``structured_outputs`` request field (exactly one constraint)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Text
+    description: Text | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Body):
     model: Text | None = None
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
@@ -64,10 +91,31 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, FiniteFloat] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[Text] | None = None
+    # vLLM fields this server does not implement (refused by name when set).
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    priority: int | None = None
+    truncate_prompt_tokens: int | None = None
+    # Output constraints: vLLM's field, its older guided_* names, OpenAI's response_format.
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None
+    response_format: ResponseFormat | None = None
 
     # Fields this server does not implement, refused when set rather than silently ignored.
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("logit_bias",)
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "guided_whitespace_pattern",
+        "prompt_logprobs",
+        "return_tokens_as_token_ids",
+        "priority",
+        "truncate_prompt_tokens",
+    )
 
     def unsupported_fields(self) -> list[str]:
         return [name for name in self.UNSUPPORTED if getattr(self, name, None)]
@@ -80,7 +128,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Text | None = None
 
-    UNSUPPORTED = ("logit_bias", "suffix")
+    UNSUPPORTED = (*_SamplingFields.UNSUPPORTED, "suffix")
 
 
 class TextPart(_Body):
@@ -88,10 +136,45 @@ class TextPart(_Body):
     text: Text
 
 
+class FunctionCallIn(_Body):
+    name: Text
+    arguments: Text
+
+
+class ToolCallIn(_Body):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    # An assistant turn's calls, and a tool turn's answer to one of them.
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: Text | None = None
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -101,12 +184,17 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
-    response_format: Any = None
+    # Accepted and ignored: they change nothing in the answer.
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
 
-    UNSUPPORTED = ("logit_bias", "tools", "functions", "response_format")
+    UNSUPPORTED = (*_SamplingFields.UNSUPPORTED, "functions")
 
 
 class TokenizeCompletionRequest(_Body):

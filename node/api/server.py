@@ -25,6 +25,7 @@ import msgpack
 import uvicorn
 
 from pagedllm.api.app import build_app
+from pagedllm.api.chat_settings import ChatSettings
 from pagedllm.api.engine_client import EngineClient
 from pagedllm.api.limits import RequestLimits
 from pagedllm.api.serving import ServingContext
@@ -57,6 +58,7 @@ class ApiServerSpec:
     nice: int = 0
     limits: RequestLimits = field(default_factory=RequestLimits)
     tokenizer_dir: str = ""  # where the tokenizer is, when not in model_dir (--tokenizer)
+    chat: ChatSettings = field(default_factory=ChatSettings)
 
 
 def encode_spec(spec: ApiServerSpec) -> bytes:
@@ -159,6 +161,7 @@ async def _serve(spec: ApiServerSpec, sock: socket.socket, tokenizer: Any) -> No
         metrics=RequestRecorder(spec.model_names[0]),
         limits=spec.limits,
         max_token_bytes=max_token_bytes(tokenizer),
+        chat=spec.chat,
     )
     config = uvicorn.Config(
         build_app(ctx, spec.api_key),

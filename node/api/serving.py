@@ -19,11 +19,13 @@ from pagedllm.api.limits import (
     samples_refusal,
     tokens_refusal,
 )
+from pagedllm.api.output_constraints import ConstraintError, output_constraint
 from pagedllm.api.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.api.tokenizing import TokenizingContext, encode_text
+from pagedllm.output.bad_words import bad_words_token_ids
 from pagedllm.output.processor import TextDelta
 from pagedllm.outputs import CompletionOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.serve.metrics import RequestRecorder
 
 # Re-exported: the API server's modules and tests import them from here.
@@ -93,11 +95,15 @@ def clamp_logprob(logprob: float) -> float:
 
 
 def sampling_params(
+    ctx: ServingContext,
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
+    tool_constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
+    """The request's sampling settings; ``tool_constraint`` is the grammar a forced tool call
+    follows, which excludes any other output constraint."""
     unsupported = body.unsupported_fields()
     if unsupported:
         raise ApiError(
@@ -105,6 +111,22 @@ def sampling_params(
         )
     if body.stream and body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of must equal n when streaming", param="best_of")
+    try:
+        constraint = output_constraint(body)
+    except ConstraintError as error:
+        raise ApiError(400, str(error), param=error.param) from None
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise ApiError(
+                400,
+                "a forced tool call (tool_choice required or named) cannot also follow "
+                "response_format or structured_outputs",
+                param="tool_choice",
+            )
+        constraint = tool_constraint
+    logit_bias = _logit_bias(body.logit_bias)
+    ctx.check_token_ids(list(logit_bias or {}), "logit_bias")
+    ctx.check_token_ids(body.allowed_token_ids or [], "allowed_token_ids")
     try:
         return SamplingParams(
             n=body.n,
@@ -126,10 +148,33 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            structured_outputs=constraint,
+            logit_bias=logit_bias,
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
+            bad_words_token_ids=(
+                bad_words_token_ids(ctx.tokenizer, body.bad_words) if body.bad_words else None
+            ),
         )
     except ValueError as error:
         # SamplingParams names the offending field first ("top_p must be in (0, 1], got 0").
         raise ApiError(400, str(error), param=str(error).split(" ", 1)[0]) from None
+
+
+def _logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids (as JSON keys, so text) to biases in [-100, 100]."""
+    if not given:
+        return None
+    bias = {}
+    for key, value in given.items():
+        if not key.strip().isdigit() or not -100.0 <= value <= 100.0:
+            raise ApiError(
+                400,
+                f"logit_bias maps token ids to values in [-100, 100], got {key!r}: {value}",
+                param="logit_bias",
+            )
+        bias[int(key)] = value
+    return bias
 
 
 def check_lengths(

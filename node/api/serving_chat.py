@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.api.generation import Generation, TokenizedPrompt
@@ -18,6 +18,12 @@ from pagedllm.api.serving import (
     random_id,
     sampling_params,
 )
+from pagedllm.api.tool_calls import (
+    ToolChoiceError,
+    ToolPlan,
+    plan_tools,
+    tool_calls_json,
+)
 from pagedllm.output.processor import TextDelta
 from pagedllm.outputs import CompletionOutput
 
@@ -25,8 +31,29 @@ from pagedllm.outputs import CompletionOutput
 @dataclass
 class ChatRun(GenerationRun):
     body: ChatCompletionRequest
+    tools: ToolPlan | None = None
+    # With tools, each streamed choice's text, held until its end says whether it is calls.
+    _held: dict[int, str] = field(default_factory=dict, init=False)
 
     CHUNK_OBJECT = "chat.completion.chunk"
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The assistant message for ``text`` (its calls read out when tools are in play) and
+        the finish reason (``tool_calls`` when it ended on them)."""
+        if self.tools is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        parsed = self.tools.read(text)
+        if not parsed.calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        message = {
+            "role": "assistant",
+            "content": parsed.content,
+            "tool_calls": [
+                {k: v for k, v in call.items() if k != "index"}
+                for call in tool_calls_json(parsed.calls)
+            ],
+        }
+        return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
     def logprobs(self, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:
         decode = self.ctx.tokenizer.decode
@@ -58,12 +85,13 @@ class ChatRun(GenerationRun):
             logprobs = None
             if self.body.logprobs:
                 logprobs = self.logprobs(list(o.token_ids), list(o.logprobs or []))
+            message, finish_reason = self.message(o.text, o.finish_reason)
             choices.append(
                 {
                     "index": o.index,
-                    "message": {"role": "assistant", "content": o.text},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": o.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": o.stop_reason,
                 }
             )
@@ -89,6 +117,11 @@ class ChatRun(GenerationRun):
                     "finish_reason": None,
                 }
             )
+        if self.tools is not None:
+            self._held[index] = self._held.get(index, "") + delta.text
+            if delta.finish_reason is not None:
+                choices.append(self._held_choice(index, delta.finish_reason, delta.stop_reason))
+            return choices
         logprobs = None
         if self.body.logprobs and delta.logprobs:
             logprobs = self.logprobs(delta.token_ids, list(delta.logprobs))
@@ -104,7 +137,30 @@ class ChatRun(GenerationRun):
             )
         return choices
 
+    def _held_choice(
+        self, index: int, finish_reason: str | None, stop_reason: int | str | None
+    ) -> dict[str, Any]:
+        """A choice's whole held text as one delta: its content, or its calls (OpenAI's
+        incremental ``delta.tool_calls``, each call complete in its first delta)."""
+        message, finish_reason = self.message(self._held.pop(index, ""), finish_reason)
+        delta: dict[str, Any] = {}
+        if message.get("content"):
+            delta["content"] = message["content"]
+        if "tool_calls" in message:
+            delta["tool_calls"] = [
+                {"index": i, **call} for i, call in enumerate(message["tool_calls"])
+            ]
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+
     def final_choice(self, index: int, output: CompletionOutput) -> dict[str, Any]:
+        if self.tools is not None:
+            return self._held_choice(index, output.finish_reason, output.stop_reason)
         return {
             "index": index,
             "delta": {},
@@ -118,14 +174,21 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> Chat
     ctx.check_model(body.model)
     ctx.check_samples(body.n, body.best_of)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    text = await ctx.render_chat(body.messages, body.add_generation_prompt)
+    try:
+        tools = plan_tools(body, ctx.chat)
+        tool_constraint = None if tools is None else tools.constraint()
+    except (ToolChoiceError, ValueError) as error:
+        raise ApiError(400, str(error), param="tool_choice") from None
+    text = await ctx.render_request(body)
     ctx.check_prompt_bytes(text)
     prompt = TokenizedPrompt(text, await ctx.chat_tokens(text))
     check_lengths(ctx, [prompt], max_tokens)
     top = body.top_logprobs
     if top is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    params = sampling_params(body, max_tokens, (top or 0) if body.logprobs else None, None)
+    params = sampling_params(
+        ctx, body, max_tokens, (top or 0) if body.logprobs else None, None, tool_constraint
+    )
     ctx.check_request_tokens([prompt], params)
     ctx.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
     ctx.check_admitting()
@@ -133,4 +196,4 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> Chat
     generation = Generation(
         ctx.client, ctx.metrics, ctx.tokenizer, response_id, [prompt], params, streaming=body.stream
     )
-    return ChatRun(ctx, body, generation, response_id, int(time.time()))
+    return ChatRun(ctx, body, generation, response_id, int(time.time()), tools)

@@ -174,7 +174,11 @@ async def prepare_completion(ctx: ServingContext, body: CompletionRequest) -> Co
     check_lengths(ctx, prompts, body.max_tokens)
     logprobs = body.logprobs
     params = sampling_params(
-        body, body.max_tokens, logprobs, logprobs if body.echo and logprobs is not None else None
+        ctx,
+        body,
+        body.max_tokens,
+        logprobs,
+        logprobs if body.echo and logprobs is not None else None,
     )
     ctx.check_request_tokens(prompts, params)
     ctx.check_token_ids(params.stop_token_ids or [], "stop_token_ids")

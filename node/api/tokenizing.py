@@ -16,8 +16,15 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
+from pagedllm.api.chat_settings import ChatSettings
+from pagedllm.api.chat_template import (
+    ChatRendering,
+    chat_rendering,
+    chat_template,
+    template_message,
+)
 from pagedllm.api.errors import ApiError
-from pagedllm.api.protocol import ChatMessage, CompletionRequest
+from pagedllm.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 # Threads that tokenize and render chat templates, off the event loop (the tokenizers library
 # releases the GIL while it encodes). Large texts get half the CPUs, so that tokenizing them
@@ -39,6 +46,9 @@ class TokenizingContext:
     vocab_size: int
     # The longest token's byte length (token_bytes.max_token_bytes); None: no sound bound.
     max_token_bytes: int | None = None
+    # --chat-template and the tool-call flags: the API server and the router take the same
+    # ones, so that both render a chat to the same text.
+    chat: ChatSettings = field(default_factory=ChatSettings)
     _large: anyio.CapacityLimiter = field(
         default_factory=lambda: anyio.CapacityLimiter(LARGE_TEXT_THREADS), init=False
     )
@@ -83,19 +93,36 @@ class TokenizingContext:
         )
         return await self.in_thread(len(text), encode, text)
 
-    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
+    async def render_request(self, body: ChatCompletionRequest) -> str:
+        """A chat request's messages as the model's prompt text, rendered as the request asks
+        (tools, generation prompt, continued final message, template variables)."""
+        try:
+            options = chat_rendering(body)
+        except ValueError as error:
+            raise ApiError(400, str(error), param="chat_template_kwargs") from None
+        return await self.render_chat(body.messages, options)
+
+    async def render_chat(
+        self, messages: list[ChatMessage], options: ChatRendering | None = None
+    ) -> str:
+        options = options or ChatRendering()
+        template = chat_template(self.tokenizer, self.chat, options.uses_tools(messages))
+        if template is None:
             raise ApiError(
                 400, "this model has no chat template; use /v1/completions", param="messages"
             )
-        conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
+        conversation = [template_message(m) for m in messages]
         render = functools.partial(
             self.tokenizer.apply_chat_template,
+            tools=options.tools,
+            chat_template=template,
             tokenize=False,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **options.template_kwargs,
         )
         try:
-            size = sum(len(m["content"]) for m in conversation)
+            size = sum(len(str(m.get("content") or "")) for m in conversation)
             text: str = await self.in_thread(size, render, conversation)
         except Exception as error:  # the template's own raise_exception and jinja errors
             raise ApiError(
@@ -143,11 +170,3 @@ def prompt_items(body: CompletionRequest) -> list[str | list[int]]:
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         return [raw]  # type: ignore[list-item]
     return list(raw)  # type: ignore[arg-type]
-
-
-def _message_text(message: ChatMessage) -> str:
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
-    return "\n".join(part.text for part in message.content)

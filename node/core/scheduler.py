@@ -20,7 +20,7 @@ from pagedllm.core.beam_search import BeamSearch
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.reporting import SchedulerStats
 from pagedllm.core.request_delta import RequestDelta, RequestTimings
-from pagedllm.core.sequence import FinishReason, Request, Sequence, SequenceStatus
+from pagedllm.core.sequence import FinishReason, GrammarRef, Request, Sequence, SequenceStatus
 from pagedllm.core.step_plan import LAST_SAMPLE, PromptLogprobs, SeqSample, StepPlan, StepResult
 from pagedllm.core.worker_view import WorkerView
 from pagedllm.sampling_params import SamplingParams, derive_seed
@@ -71,17 +71,22 @@ class Scheduler:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
+        grammar: GrammarRef | None = None,
     ) -> None:
+        """Queue a request; one with structured outputs comes with its compiled ``grammar``."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
+        if (params.structured_outputs is None) != (grammar is None):
+            raise ValueError("a request has a compiled grammar exactly when it is constrained")
         request = Request(
             request_id,
             list(prompt_token_ids),
             params,
             tuple(eos_token_ids),
             RequestTimings(arrival_time if arrival_time is not None else time.monotonic()),
+            grammar=grammar,
         )
         seq = Sequence(next(self._seq_ids), request, list(prompt_token_ids), seed=params.seed)
         request.seqs.append(seq)

@@ -83,6 +83,15 @@ class Sequence:
         return self.request.params
 
 
+@dataclass(frozen=True)
+class GrammarRef:
+    """A request's compiled output constraint: ``key`` names it (equal constraints share it),
+    ``data`` is the compiled grammar in the form the workers load, opaque here."""
+
+    key: str
+    data: str
+
+
 @dataclass
 class Request:
     """A user request: a prompt, its sampling settings and the sequences generated for it."""
@@ -98,6 +107,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     error: str | None = None
+    grammar: GrammarRef | None = None
 
     @property
     def prompt_len(self) -> int:

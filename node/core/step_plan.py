@@ -28,6 +28,12 @@ class SamplingSpec:
     prompt_logprobs: int | None = None
     # > 0: return the 2 * beam_width most likely tokens instead of sampling.
     beam_width: int = 0
+    # The compiled grammar (of StepPlan.grammars) the outputs must follow, by its key.
+    grammar_key: str | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    # Token sequences never to complete: the last token is blocked after the others.
+    bad_words_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -68,6 +74,9 @@ class StepPlan:
     num_samples: dict[int, int] = field(default_factory=dict)
     finished: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Compiled grammars the workers do not hold yet (key -> data), and those they may drop.
+    grammars: dict[str, str] = field(default_factory=dict)
+    dropped_grammars: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -77,7 +86,13 @@ class StepPlan:
     def is_empty(self) -> bool:
         """Nothing for the workers to do or to change."""
         return not (
-            self.scheduled or self.new or self.running or self.finished or self.block_copies
+            self.scheduled
+            or self.new
+            or self.running
+            or self.finished
+            or self.block_copies
+            or self.grammars
+            or self.dropped_grammars
         )
 
 

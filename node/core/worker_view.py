@@ -3,16 +3,22 @@
 The workers keep their own copy of every running sequence's tokens and block table. Each plan
 sends only the difference: a sequence new to them in full, one they hold as the tokens after
 those they have and the block table from its first changed entry on (copy-on-write replaces
-entries they already hold).
+entries they already hold). Compiled grammars travel the same way: each once, with the first
+plan that needs it, and the workers keep the last ``GRAMMARS_HELD`` used until told to drop one.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from pagedllm.core.sequence import Sequence
 from pagedllm.core.step_plan import NewSequence, RunningUpdate, SamplingSpec, StepPlan
+
+# Compiled grammars the workers keep (a sequence's matcher holds its own grammar, so dropping
+# one only means sending it again when a new sequence needs it).
+GRAMMARS_HELD = 64
 
 
 @dataclass
@@ -51,6 +57,10 @@ def sampling_spec(seq: Sequence) -> SamplingSpec:
         logprobs=p.logprobs,
         prompt_logprobs=p.prompt_logprobs,
         beam_width=p.beam_width if p.use_beam_search else 0,
+        grammar_key=None if seq.request.grammar is None else seq.request.grammar.key,
+        logit_bias=dict(p.logit_bias or {}),
+        allowed_token_ids=None if p.allowed_token_ids is None else list(p.allowed_token_ids),
+        bad_words_ids=[list(w) for w in p.bad_words_token_ids or []],
     )
 
 
@@ -60,6 +70,8 @@ class WorkerView:
         # Sequences the workers hold but must drop with the next plan.
         self._gone: list[int] = []
         self._step_ids = itertools.count()
+        # Keys of the grammars the workers hold, least recently used first.
+        self._grammars: OrderedDict[str, None] = OrderedDict()
 
     def forget(self, seq: Sequence) -> None:
         """``seq`` left the running batch (preempted or finished): the workers drop it."""
@@ -78,6 +90,7 @@ class WorkerView:
             table = seq.blocks.ids
             held = self._held.get(seq.seq_id)
             if held is None:
+                self._send_grammar(seq, plan)
                 plan.new.append(
                     NewSequence(
                         seq_id=seq.seq_id,
@@ -105,3 +118,17 @@ class WorkerView:
                 held.block_ids[start:] = table[start:]
             plan.scheduled.append((seq.seq_id, num_new))
         return plan
+
+    def _send_grammar(self, seq: Sequence, plan: StepPlan) -> None:
+        """Make sure the workers hold the grammar ``seq`` follows, if any."""
+        grammar = seq.request.grammar
+        if grammar is None:
+            return
+        if grammar.key in self._grammars:
+            self._grammars.move_to_end(grammar.key)
+            return
+        plan.grammars[grammar.key] = grammar.data
+        self._grammars[grammar.key] = None
+        if len(self._grammars) > GRAMMARS_HELD:
+            oldest, _ = self._grammars.popitem(last=False)
+            plan.dropped_grammars.append(oldest)

@@ -187,7 +187,7 @@ def _typed(tag: str, cls: type, version: int) -> Schema:
 SCHEMAS: dict[str, Schema] = {
     s.tag: s
     for s in (
-        _typed("add_request", AddRequest, 4),
+        _typed("add_request", AddRequest, 5),
         _typed("abort_request", AbortRequest, 1),
         _typed("stop_sequence", StopSequence, 1),
         _typed("request_outputs", RequestOutputs, 3),
@@ -203,7 +203,7 @@ SCHEMAS: dict[str, Schema] = {
         _typed("drain_deadline", DrainDeadline, 1),
         _typed("node_failed", NodeFailed, 1),
         # The per-step pair travels column-wise (see step_wire).
-        Schema("step_plan", StepPlan, 1, encode_plan, decode_plan),
+        Schema("step_plan", StepPlan, 2, encode_plan, decode_plan),
         Schema("step_result", StepResult, 1, encode_result, decode_result),
     )
 }

@@ -32,6 +32,8 @@ _decode_prompt_logprobs = decoder(list[PromptLogprobs])
 _decode_pairs = decoder(list[tuple[int, int]])
 _decode_top = decoder(list[list[tuple[int, float]]] | None)
 _encode_top = encoder(list[list[tuple[int, float]]] | None)
+_decode_grammars = decoder(dict[str, str])
+_decode_dropped = decoder(list[str])
 
 
 def _ints(values: list[int]) -> bytes:
@@ -81,13 +83,26 @@ def encode_plan(plan: StepPlan) -> list[Any]:
         {seq_id: n for seq_id, n in plan.num_samples.items()},
         _ints(plan.finished),
         [list(pair) for pair in plan.block_copies],
+        plan.grammars,
+        plan.dropped_grammars,
     ]
 
 
 def decode_plan(payload: Any) -> StepPlan:
-    if not isinstance(payload, list) or len(payload) != 8:
-        raise WireError("expected a step plan of 8 fields")
-    step_id, new, running, sched_ids, sched_counts, num_samples, finished, copies = payload
+    if not isinstance(payload, list) or len(payload) != 10:
+        raise WireError("expected a step plan of 10 fields")
+    (
+        step_id,
+        new,
+        running,
+        sched_ids,
+        sched_counts,
+        num_samples,
+        finished,
+        copies,
+        grammars,
+        dropped,
+    ) = payload
     if type(step_id) is not int:
         raise WireError("step plan: step_id must be an int")
     if not isinstance(running, list) or len(running) != 7:
@@ -118,6 +133,8 @@ def decode_plan(payload: Any) -> StepPlan:
         num_samples=num_samples,
         finished=_column(finished, _I8, None, "finished ids"),
         block_copies=_decode_pairs(copies),
+        grammars=_decode_grammars(grammars),
+        dropped_grammars=_decode_dropped(dropped),
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pagedllm.api.chat_settings import ChatSettings, chat_template_arg
 from pagedllm.router.policy import Policy
 from pagedllm.router.routing import RoutingSettings
 from pagedllm.serve.args import (
@@ -40,7 +41,8 @@ class RouterArgs:
     model_dir: str
     model_names: list[str]
     model: ModelFacts
-    chat_template: str | None
+    # Only the template matters here: the router renders chats, it reads no tool calls.
+    chat: ChatSettings
     backends: list[str]  # empty when discovering them
     host: str
     port: int
@@ -112,8 +114,9 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chat-template",
         default=None,
-        metavar="FILE",
-        help="a Jinja chat template to use instead of the model's (it must be the nodes' own)",
+        metavar="FILE_OR_TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) in place of the model's; "
+        "the nodes' own --chat-template, so that chats render as they do there",
     )
     p.add_argument(
         "--backends",
@@ -224,12 +227,6 @@ def router_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Rout
         model = read_model_facts(model_dir)
     except ValueError as error:
         parser.error(f"--model: {error}")
-    chat_template = None
-    if ns.chat_template is not None:
-        try:
-            chat_template = Path(ns.chat_template).read_text()
-        except (OSError, UnicodeDecodeError) as error:
-            parser.error(f"--chat-template: cannot read {ns.chat_template}: {error}")
     discovering = ns.discover_namespace is not None or ns.discover_service is not None
     if discovering and ns.backends is not None:
         parser.error("--backends and --discover-namespace/--discover-service exclude each other")
@@ -248,7 +245,7 @@ def router_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Rout
         model_dir=str(model_dir.resolve()),
         model_names=list(ns.served_model_name or [ns.model]),
         model=model,
-        chat_template=chat_template,
+        chat=ChatSettings(chat_template=chat_template_arg(ns, parser)),
         backends=ns.backends or [],
         host=ns.host,
         port=ns.port,

@@ -19,7 +19,7 @@ async def routing_tokens(
     """The first prompt's leading token ids (a request with several prompts goes where its
     first is cached)."""
     if isinstance(body, ChatCompletionRequest):
-        text = await ctx.render_chat(body.messages, body.add_generation_prompt)
+        text = await ctx.render_request(body)
         return await _tokens(ctx, text, chat=True)
     items = prompt_items(body)
     if not items:

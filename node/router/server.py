@@ -120,8 +120,6 @@ def main(args: RouterArgs, sources: Sequence[BackendSource] = ()) -> int:
     except ModelLoadError as error:
         log.error("%s", error)
         return 1
-    if args.chat_template is not None:
-        tokenizer.chat_template = args.chat_template
     ctx = TokenizingContext(
         tokenizer=tokenizer,
         model_names=args.model_names,
@@ -129,6 +127,7 @@ def main(args: RouterArgs, sources: Sequence[BackendSource] = ()) -> int:
         max_model_len=args.model.max_model_len,
         vocab_size=args.model.vocab_size,
         max_token_bytes=max_token_bytes(tokenizer),
+        chat=args.chat,
     )
     try:
         asyncio.run(_serve(args, ctx, sources))

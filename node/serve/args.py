@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pagedllm.api.chat_settings import ChatSettings, chat_template_arg
 from pagedllm.api.limits import MAX_N_LIMIT, RequestLimits
+from pagedllm.api.tool_parsers import PARSERS
 from pagedllm.config import DTYPE_CHOICES, EngineConfig, resolve_model_dir
 from pagedllm.kernels import BACKENDS
 from pagedllm.models.named import NAMED_MODELS
@@ -44,6 +46,7 @@ class ServeArgs:
     api_server_nice: int
     async_scheduling: bool
     log_level: str
+    chat: ChatSettings = field(default_factory=ChatSettings)
 
 
 def _integer(text: str, expected: str) -> int:
@@ -271,11 +274,36 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "detokenization) waits for the gaps between the workers' compute "
         "instead of stalling it, at the cost of slower admission under load",
     )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) in place of the model's",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs '
+        "--tool-call-parser",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        help="how tool calls are read from the model's text: hermes (Qwen2.5/Qwen3, Hermes, "
+        "the built-in tool template), llama3_json (Llama 3.1-3.3), mistral",
+    )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
 def _exists(path: str) -> bool:
     return os.path.exists(os.path.expanduser(path))
+
+
+def chat_settings(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> ChatSettings:
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    return ChatSettings(
+        chat_template_arg(ns, parser), ns.enable_auto_tool_choice, ns.tool_call_parser
+    )
 
 
 def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeArgs:
@@ -348,4 +376,5 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
         api_server_nice=ns.api_server_nice,
         async_scheduling=ns.async_scheduling,
         log_level=ns.log_level,
+        chat=chat_settings(ns, parser),
     )

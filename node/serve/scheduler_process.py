@@ -28,6 +28,7 @@ from pagedllm.config import EngineConfig, scheduler_config
 from pagedllm.core.output_buffer import OutputBuffer
 from pagedllm.core.request_delta import RequestDelta
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.sequence import GrammarRef
 from pagedllm.core.step_deadline import StepDeadline
 from pagedllm.core.step_pipeline import StepPipeline
 from pagedllm.core.step_plan import StepPlan, StepResult
@@ -44,14 +45,19 @@ from pagedllm.ipc.messages import (
     StopSequence,
     WorkerReady,
 )
+from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.serve.child_process import setup_child
+from pagedllm.serve.grammar_intake import Compiled, GrammarIntake
 from pagedllm.serve.kv_event_sender import HEARTBEAT_S, KVEventSender
 from pagedllm.serve.metrics import SchedulerMetrics
+from pagedllm.structured.compiler import GrammarCompiler, tokenizer_info
 
 log = logging.getLogger(__name__)
 WHERE = "scheduler"
 # After telling the supervisor the node is stuck: how long to wait to be stopped by it.
 STOPPED_BY_SUPERVISOR_S = 10.0
+# With nothing else to do but grammars compiling: how often to look whether they are done.
+COMPILE_POLL_MS = 2
 
 
 class NodeStuck(Exception):
@@ -70,6 +76,9 @@ class SchedulerSpec:
     supervisor_pid: int
     async_scheduling: bool = True
     step_timeout: float = 60.0
+    # Where the tokenizer is (--tokenizer, or the model's own: a GGUF file holds its own), for
+    # compiling grammars (None: no structured outputs).
+    tokenizer_dir: str | None = None
 
 
 def run_scheduler(spec: SchedulerSpec) -> None:
@@ -115,6 +124,7 @@ class SchedulerLoop:
             scheduler_config(spec.config, ready.num_blocks, ready.max_model_len)
         )
         self.vocab_size = ready.vocab_size
+        self.grammars = GrammarIntake(self._grammar_compiler())
         self.deadline = StepDeadline(spec.step_timeout)
         self.metrics.set_capacity(ready.num_blocks)
         config = self.scheduler.config
@@ -122,6 +132,14 @@ class SchedulerLoop:
             self.scheduler.block_manager.pool,
             self.api_servers,
             CacheLayout(config.block_size, config.seed, config.num_blocks),
+        )
+
+    def _grammar_compiler(self) -> GrammarCompiler | None:
+        if self.spec.tokenizer_dir is None:
+            return None
+        tokenizer = load_tokenizer(self.spec.tokenizer_dir)
+        return GrammarCompiler(
+            tokenizer_info(tokenizer, self.vocab_size, list(self.spec.eos_token_ids))
         )
 
     def _wait_for_workers(self) -> WorkerReady:
@@ -143,6 +161,7 @@ class SchedulerLoop:
                 if not self.scheduler.has_work():
                     self._wait_for_requests()
                 self._receive()
+            self._admit_compiled()
             pipeline.send_next()
             deltas = pipeline.complete(self._await_result, self._receive)
             self._send_outputs(deltas)
@@ -154,8 +173,12 @@ class SchedulerLoop:
         self.kv_events.publish(stats)
 
     def _wait_for_requests(self) -> None:
-        """Wait until an API server sends something, reporting the idle node meanwhile."""
+        """Wait until an API server sends something, reporting the idle node meanwhile; with
+        grammars compiling, only briefly, so that a compiled request starts at once."""
         self._report()
+        if self.grammars.pending:
+            self.requests.poll(COMPILE_POLL_MS)
+            return
         while not self.requests.poll(int(HEARTBEAT_S * 1000)):
             self._report()
 
@@ -235,7 +258,9 @@ class SchedulerLoop:
             if isinstance(message, AddRequest):
                 self._add(message)
             elif isinstance(message, AbortRequest):
-                if self.scheduler.abort(message.request_id):
+                if self.grammars.abort(message.request_id):
+                    self.clients.pop(message.request_id, None)
+                elif self.scheduler.abort(message.request_id):
                     self.clients.pop(message.request_id, None)
                     self.outputs.forget(message.request_id)
             elif isinstance(message, StopSequence):
@@ -255,30 +280,46 @@ class SchedulerLoop:
                 message.client_index,
             )
             return
-        client = self.api_servers[message.client_index]
         ids = message.prompt_token_ids
         if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
-            sockets.send(
-                client,
-                RequestRejected(
-                    message.request_id,
-                    400,
-                    f"prompt token ids must be in [0, {self.vocab_size}) for this model",
-                ),
+            self._reject(
+                message,
+                400,
+                f"prompt token ids must be in [0, {self.vocab_size}) for this model",
             )
             return
         limit = self.spec.max_waiting
         if limit is not None and message.first_of_request and len(self.scheduler.waiting) >= limit:
-            sockets.send(
-                client,
-                RequestRejected(
-                    message.request_id,
-                    503,
-                    f"the server is busy: {len(self.scheduler.waiting)} requests are already "
-                    f"waiting (--max-waiting {limit}); retry later",
-                ),
+            self._reject(
+                message,
+                503,
+                f"the server is busy: {len(self.scheduler.waiting)} requests are already "
+                f"waiting (--max-waiting {limit}); retry later",
             )
             return
+        if message.params.structured_outputs is None:
+            self._queue(message, None)
+            return
+        compiled = self.grammars.submit(message)
+        if compiled is None:  # compiling: an abort meanwhile finds its client here
+            self.clients[message.request_id] = message.client_index
+        else:
+            self._queue_compiled(compiled)
+
+    def _admit_compiled(self) -> None:
+        for compiled in self.grammars.ready():
+            self._queue_compiled(compiled)
+
+    def _queue_compiled(self, compiled: Compiled) -> None:
+        message = compiled.message
+        self.clients.pop(message.request_id, None)
+        if compiled.grammar is None:
+            self._reject(message, 400, compiled.error or "cannot compile")
+        else:
+            self._queue(message, compiled.grammar)
+
+    def _queue(self, message: AddRequest, grammar: GrammarRef | None) -> None:
+        """Hand the request to the scheduler (its grammar compiled, if it has one)."""
         try:
             self.scheduler.add_request(
                 message.request_id,
@@ -286,13 +327,18 @@ class SchedulerLoop:
                 message.params,
                 self.spec.eos_token_ids,
                 message.arrival_time,
+                grammar,
             )
         except ValueError as error:
-            sockets.send(client, RequestRejected(message.request_id, 400, str(error)))
+            self._reject(message, 400, str(error))
             return
         self.clients[message.request_id] = message.client_index
         if message.final_only:
             self.outputs.hold_after_first(message.request_id)
+
+    def _reject(self, message: AddRequest, status: int, reason: str) -> None:
+        client = self.api_servers[message.client_index]
+        sockets.send(client, RequestRejected(message.request_id, status, reason))
 
     def _send_outputs(self, deltas: list[RequestDelta]) -> None:
         by_client: dict[int, list[RequestDelta]] = {}

@@ -213,7 +213,15 @@ class Supervisor:
                     "worker",
                     rank,
                     run_worker,
-                    WorkerSpec(args.engine, args.model_dir, rank, paths, args.log_level, pid),
+                    WorkerSpec(
+                        args.engine,
+                        args.model_dir,
+                        rank,
+                        paths,
+                        args.log_level,
+                        pid,
+                        args.tokenizer_dir,
+                    ),
                 )
             )
         plans.append(
@@ -232,6 +240,7 @@ class Supervisor:
                     pid,
                     args.async_scheduling,
                     args.step_timeout,
+                    args.tokenizer_dir,
                 ),
             )
         )
@@ -256,6 +265,7 @@ class Supervisor:
                 args.api_server_nice,
                 args.request_limits,
                 tokenizer_dir=args.tokenizer_dir,
+                chat=args.chat,
             )
             self.children.append(Child("api_server", index, ApiServerProcess(spec)))
 

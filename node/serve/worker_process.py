@@ -20,6 +20,7 @@ from pagedllm.core.step_plan import StepPlan
 from pagedllm.ipc import sockets
 from pagedllm.ipc.messages import ProcessReady, StepRefused, WorkerReady
 from pagedllm.models import cpu_linear
+from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.serve.child_process import setup_child
 from pagedllm.worker.allocator import fix_mmap_threshold
 from pagedllm.worker.model_runner import ModelRunner, resolve_device
@@ -38,6 +39,9 @@ class WorkerSpec:
     ipc_paths: sockets.IpcPaths
     log_level: str
     supervisor_pid: int
+    # Where the tokenizer is (--tokenizer, or the model's own: a GGUF file holds its own), for
+    # the grammars of structured outputs.
+    tokenizer_dir: str
 
 
 def torch_threads(tp_size: int) -> int:
@@ -90,6 +94,9 @@ def _serve(spec: WorkerSpec) -> None:
             world_size=tp_size,
         )
     runner = ModelRunner(config, spec.model_dir, tp_rank=rank, tp_size=tp_size)
+    if rank == 0:
+        # Rank 0 samples, so it follows the grammars of constrained requests.
+        runner.enable_structured_outputs(load_tokenizer(spec.tokenizer_dir))
     # Kernels built and first-call caches filled now, so that no step of a ready node is
     # slow for a reason its step deadline cannot know.
     runner.warm_up()
@@ -112,13 +119,14 @@ def _serve(spec: WorkerSpec) -> None:
             if plan is not None:
                 log.warning("%s: ignored a %s message", where, type(plan).__name__)
             continue
-        problem = plan_problem(
+        problem = runner.load_grammars(plan) or plan_problem(
             plan,
             runner.seqs,
             runner.num_blocks,
             runner.block_size,
             runner.model_config.vocab_size,
             runner.last_samples,
+            None if runner.grammars is None else runner.grammars.grammars,
         )
         if problem is not None:
             # Never silently: the scheduler waits for this step and must learn it will not come.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from pagedllm.models.loader import load_model
 from pagedllm.worker import kv_cache
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.sampler import SampleRow, sample
+
+if TYPE_CHECKING:
+    from pagedllm.structured.matchers import GrammarMatchers
 
 log = logging.getLogger(__name__)
 # Ids of the warm-up's sequence and step: the scheduler's count up from 0.
@@ -79,6 +83,8 @@ class ModelRunner:
         self.seqs: dict[int, NewSequence] = {}
         # seq id -> the (first) token sampled for it in the last step that sampled it
         self.last_samples: dict[int, int] = {}
+        # The matchers of constrained sequences (rank 0, once enabled).
+        self.grammars: GrammarMatchers | None = None
         log.info(
             "KV cache: %d blocks of %d tokens (%d bytes)", self.num_blocks, self.block_size, memory
         )
@@ -142,6 +148,22 @@ class ModelRunner:
             )
         return budget
 
+    def enable_structured_outputs(self, tokenizer: Any) -> None:
+        """Follow grammars from now on (rank 0, which samples); xgrammar is imported here, so
+        that a runner never asked to is spared it."""
+        from pagedllm.structured.compiler import tokenizer_info
+        from pagedllm.structured.matchers import GrammarMatchers
+
+        mc = self.model_config
+        self.grammars = GrammarMatchers(tokenizer_info(tokenizer, mc.vocab_size, mc.eos_token_ids))
+
+    def load_grammars(self, plan: StepPlan) -> str | None:
+        """Take in the grammars ``plan`` brings (before checking it: its sequences need them);
+        what is wrong with one, or None."""
+        if self.grammars is None:
+            return None
+        return self.grammars.load(plan.grammars)
+
     # ----- executing a plan ----------------------------------------------------------------
 
     def warm_up(self) -> None:
@@ -163,6 +185,12 @@ class ModelRunner:
         for seq_id in plan.finished:
             self.seqs.pop(seq_id, None)
             self.last_samples.pop(seq_id, None)
+        if self.grammars is not None:
+            self.grammars.forget(plan.finished)
+            problem = self.load_grammars(plan)
+            if problem is not None:
+                raise ValueError(problem)
+            self.grammars.drop_grammars(plan.dropped_grammars)
         for new in plan.new:
             # The worker's own copy: later plans only send what changes.
             self.seqs[new.seq_id] = dataclasses.replace(
@@ -252,7 +280,8 @@ class ModelRunner:
                 )
                 for seq_id, seq in sampled
             ]
-            for (seq_id, _), out in zip(sampled, sample(logits, rows), strict=True):
+            mask = None if self.grammars is None else self.grammars.mask(sampled)
+            for (seq_id, _), out in zip(sampled, sample(logits, rows, mask), strict=True):
                 self.last_samples[seq_id] = out.token_ids[0]
                 result.samples.append(
                     SeqSample(seq_id, out.token_ids, out.logprobs, out.top_logprobs)

@@ -19,9 +19,11 @@ def plan_problem(
     block_size: int,
     vocab_size: int,
     last_sampled: Container[int] = frozenset(),
+    grammars: Container[str] | None = None,
 ) -> str | None:
     """What makes ``plan`` impossible to execute on ``seqs``, or None. ``last_sampled`` holds
-    the sequences the worker has a sample of, which a ``LAST_SAMPLE`` token may stand for."""
+    the sequences the worker has a sample of, which a ``LAST_SAMPLE`` token may stand for;
+    ``grammars`` the keys of the grammars the worker can follow (None: it does not sample)."""
     # (tokens, blocks, computed) of every sequence as the plan leaves it
     gone = set(plan.finished)
     after: dict[int, tuple[int, int, int]] = {
@@ -64,4 +66,14 @@ def plan_problem(
         end = computed + n
         if n < 1 or computed < 0 or end > num_tokens or end > num_blocks_held * block_size:
             return f"sequence {seq_id}: cannot compute tokens {computed}..{end}"
+    return _missing_grammar(plan, grammars)
+
+
+def _missing_grammar(plan: StepPlan, grammars: Container[str] | None) -> str | None:
+    if grammars is None:
+        return None
+    for new in plan.new:
+        key = new.sampling.grammar_key
+        if key is not None and key not in grammars:
+            return f"sequence {new.seq_id} follows grammar {key}, which the worker does not hold"
     return None

@@ -1,4 +1,5 @@
-"""Turning logits into tokens: penalties, min_tokens, temperature, top-k/p, min-p, beams.
+"""Turning logits into tokens: penalties, min_tokens, grammars, temperature, top-k/p, min-p,
+beams.
 
 Seeded rows draw from a generator seeded by (seed, output position), so a seeded request
 gives the same tokens whatever else is in the batch and after a preemption.
@@ -7,11 +8,15 @@ gives the same tokens whatever else is in the batch and after a preemption.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.core.step_plan import SamplingSpec
 from pagedllm.sampling_params import derive_seed, mix_seed
+
+if TYPE_CHECKING:
+    from pagedllm.structured.matchers import TokenMask
 
 # Temperatures below this are greedy: dividing by them overflows float32 logits.
 SAMPLING_EPS = 1e-5
@@ -59,6 +64,34 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             logits[i, blocked[blocked < vocab]] = float("-inf")
 
 
+def _token_rules(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """logit_bias, allowed_token_ids and bad words, row by row."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        s = row.spec
+        if s.logit_bias:
+            ids = torch.tensor(list(s.logit_bias), dtype=torch.long)
+            bias = torch.tensor(list(s.logit_bias.values()), dtype=logits.dtype)
+            keep = ids < vocab
+            logits[i, ids[keep]] += bias[keep].to(logits.device)
+        if s.allowed_token_ids is not None:
+            allowed = torch.tensor(s.allowed_token_ids, dtype=torch.long)
+            allowed = allowed[allowed < vocab].to(logits.device)
+            kept = logits[i, allowed].clone()
+            logits[i] = float("-inf")
+            logits[i, allowed] = kept
+        for word in s.bad_words_ids:
+            prefix = word[:-1]
+            if not prefix or row.output_ids[-len(prefix) :] == prefix:
+                if word[-1] < vocab:
+                    logits[i, word[-1]] = float("-inf")
+
+
+def _has_token_rules(row: SampleRow) -> bool:
+    s = row.spec
+    return bool(s.logit_bias or s.allowed_token_ids is not None or s.bad_words_ids)
+
+
 def _filter(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p applied to one row; returns probabilities."""
     logits = logits / spec.temperature
@@ -84,20 +117,33 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.argmax(probs / noise))
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
-    """Sample each row of ``logits`` ([len(rows), vocab], float32) by its spec."""
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], mask: TokenMask | None = None
+) -> list[Sampled]:
+    """Sample each row of ``logits`` ([len(rows), vocab], float32) by its spec; ``mask``
+    holds the tokens the constrained rows' grammars allow. Log probabilities are those of the
+    model, before penalties and grammars."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    needs_processing = any(
-        r.spec.repetition_penalty != 1.0
-        or r.spec.frequency_penalty
-        or r.spec.presence_penalty
-        or len(r.output_ids) < r.spec.min_tokens
-        for r in rows
+    token_rules = any(_has_token_rules(r) for r in rows)
+    needs_processing = (
+        mask is not None
+        or token_rules
+        or any(
+            r.spec.repetition_penalty != 1.0
+            or r.spec.frequency_penalty
+            or r.spec.presence_penalty
+            or len(r.output_ids) < r.spec.min_tokens
+            for r in rows
+        )
     )
     processed = logits.clone() if needs_processing else logits
     if needs_processing:
         _apply_penalties(processed, rows)
+    if token_rules:
+        _token_rules(processed, rows)
+    if mask is not None:
+        mask.apply(processed)
     greedy_tokens = torch.argmax(processed, dim=-1).tolist()
     results: list[Sampled] = []
     for i, row in enumerate(rows):

@@ -8,6 +8,7 @@ import sys
 import msgpack
 import pytest
 
+from pagedllm.api.chat_settings import ChatSettings
 from pagedllm.api.limits import RequestLimits
 from pagedllm.api.server import ApiServerSpec, decode_spec, encode_spec
 from pagedllm.ipc.codec import WireError
@@ -28,6 +29,7 @@ SPEC = ApiServerSpec(
     nice=5,
     limits=RequestLimits(max_prompts_per_request=8, max_n=4, max_request_tokens=1000),
     tokenizer_dir="/models/tokenizer",
+    chat=ChatSettings("{{ messages }}", True, "hermes"),
 )
 
 
@@ -39,10 +41,26 @@ def test_a_spec_arrives_as_it_was_sent() -> None:
     ("data", "message"),
     [
         (b"\xc1", "not msgpack"),
-        (msgpack.packb(["too", "short"]), "ApiServerSpec as a list of 14 fields"),
+        (msgpack.packb(["too", "short"]), "ApiServerSpec as a list of 15 fields"),
         (
             msgpack.packb(
-                [1, ["/d"], "m", ["n"], 1, 1, None, "h", "80", "info", 1, 0, [1, 1, 1], ""]
+                [
+                    1,
+                    ["/d"],
+                    "m",
+                    ["n"],
+                    1,
+                    1,
+                    None,
+                    "h",
+                    "80",
+                    "info",
+                    1,
+                    0,
+                    [1, 1, 1],
+                    "",
+                    [None, False, None],
+                ]
             ),
             "port",
         ),

@@ -55,7 +55,10 @@ def test_flags_are_read(demo_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
         (["--backends", "http://a:1", "--max-held-requests", "-1"], ">= 0"),
         (["--backends", "http://a:1", "--hold-timeout", "0"], "> 0"),
         (["--backends", "http://a:1", "--policy", "fastest"], "invalid choice"),
-        (["--backends", "http://a:1", "--chat-template", "/no/such/file"], "cannot read"),
+        (
+            ["--backends", "http://a:1", "--chat-template", "/no/such/file"],
+            "neither a file nor a Jinja template",
+        ),
         ([], "--backends is required"),
     ],
 )

@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
+from pagedllm.api.chat_settings import ChatSettings
+from pagedllm.api.chat_template import tool_template
+from pagedllm.api.errors import ApiError
 from pagedllm.api.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.api.serving import ServingContext
 from pagedllm.api.serving_completions import completion_prompts
@@ -119,6 +123,83 @@ def test_chat_prompts_hash_as_the_node(tokenizing: TokenizingContext, block_size
             assert_same_hashes(ours, block_size)
             cut = ours[: len(ours) // block_size * block_size]  # an exact multiple too
             assert_same_hashes(cut, block_size)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+# A --chat-template of the nodes: it writes a template variable the request may set.
+CUSTOM_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}{% if style %} {{ style }}{% endif %}] "
+    "{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_tool_chats_hash_as_the_node(tokenizing: TokenizingContext, block_size: int) -> None:
+    """With tools the node renders the built-in tool template (the demo model's own knows
+    no tools): the router must render the same, tools and all."""
+    tokenizer = tokenizing.tokenizer
+    messages = [
+        {"role": "system", "content": " ".join(WORDS * 6)},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    body = ChatCompletionRequest(messages=messages, tools=TOOLS)
+    ours = asyncio.run(routing_tokens(tokenizing, body))
+    node = _node_ctx(tokenizing)
+    node_text = asyncio.run(node.render_request(body))
+    assert ours == asyncio.run(node.chat_tokens(node_text))
+    # transformers on the built-in tool template, the call's arguments as an object
+    messages[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    reference = tokenizer.apply_chat_template(
+        messages,
+        tools=TOOLS,
+        chat_template=tool_template(),
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert node_text == reference and "get_weather" in reference
+    plain = asyncio.run(routing_tokens(tokenizing, ChatCompletionRequest(messages=messages[:2])))
+    assert ours[: len(plain)] != plain  # the tool template, not the model's own
+    assert_same_hashes(ours, block_size)
+
+
+def test_the_chat_template_flag_and_kwargs_render_as_the_node(
+    tokenizing: TokenizingContext,
+) -> None:
+    settings = ChatSettings(chat_template=CUSTOM_TEMPLATE)
+    router = dataclasses.replace(tokenizing, chat=settings)
+    node = dataclasses.replace(_node_ctx(tokenizing), chat=settings)
+    messages = [{"role": "user", "content": "Hello there"}]
+    for kwargs in (None, {"style": "terse"}):
+        body = ChatCompletionRequest(messages=messages, chat_template_kwargs=kwargs)
+        ours = asyncio.run(routing_tokens(router, body))
+        text = asyncio.run(node.render_request(body))
+        assert text == "[user" + (" terse" if kwargs else "") + "] Hello there\n[assistant] "
+        assert ours == tokenizing.tokenizer.encode(text, add_special_tokens=False)
+    bad = ChatCompletionRequest(messages=messages, chat_template_kwargs={"tools": []})
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(routing_tokens(router, bad))
+    assert refused.value.status == 400 and refused.value.param == "chat_template_kwargs"
 
 
 def test_hashes_depend_on_the_seed_and_block_size() -> None:

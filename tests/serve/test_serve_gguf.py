@@ -3,9 +3,11 @@ the official openai client, and the errors a GGUF model path gets before anythin
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from pagedllm.config import resolve_model_dir
@@ -59,6 +61,31 @@ def test_a_streamed_answer_is_the_same_text(server: Server) -> None:
         if chunk.choices
     ]
     assert "".join(pieces) == whole.choices[0].message.content
+
+
+def test_structured_output_follows_its_schema(server: Server) -> None:
+    """The grammar is compiled on the tokenizer the GGUF file holds (in the scheduler) and
+    followed on it (in the worker): the answer is JSON of the schema."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"enum": ["FR"]}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    answer = server.client().chat.completions.create(
+        model="smollm2",
+        messages=QUESTION,
+        max_completion_tokens=64,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "place", "schema": schema, "strict": True},
+        },
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop"
+    place = json.loads(choice.message.content)
+    jsonschema.validate(place, schema)
 
 
 def test_serve_asks_which_file_of_several(tmp_path: Path) -> None:

@@ -1,0 +1,24 @@
+"""Hermes format (Qwen2.5, Qwen3, Hermes 2/3, and the built-in tool template): each call is
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, after optional text."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from pagedllm.api.tool_parsers.base import ParsedOutput, ToolCall, call_from_object, calls_after
+
+START = "<tool_call>"
+# The last call may lack its closing tag when the model stopped on its end token.
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+class HermesParser:
+    name = "hermes"
+
+    def parse(self, text: str) -> ParsedOutput:
+        return calls_after(text, START, _calls)
+
+
+def _calls(text: str) -> list[ToolCall]:
+    return [call_from_object(json.loads(body)) for body in _CALL.findall(text)]

@@ -1,0 +1,43 @@
+"""Mistral format: ``[TOOL_CALLS]`` and then either a JSON list of
+``{"name": ..., "arguments": {...}}`` (v3 tokenizers) or ``name[ARGS]{...}`` per call (v11+)."""
+
+from __future__ import annotations
+
+import json
+
+from pagedllm.api.tool_parsers.base import (
+    ParsedOutput,
+    ToolCall,
+    call_from_object,
+    calls_after,
+    json_values,
+)
+
+START = "[TOOL_CALLS]"
+ARGS = "[ARGS]"
+
+
+class MistralParser:
+    name = "mistral"
+
+    def parse(self, text: str) -> ParsedOutput:
+        return calls_after(text, START, _calls)
+
+
+def _calls(text: str) -> list[ToolCall]:
+    calls: list[ToolCall] = []
+    for part in text.split(START)[1:]:
+        part = part.strip()
+        if part.startswith("["):
+            (listed,) = json_values(part)
+            if not isinstance(listed, list):
+                raise ValueError("[TOOL_CALLS] is followed by a list")
+            calls += [call_from_object(v) for v in listed]
+        elif ARGS in part:
+            name, arguments = part.split(ARGS, 1)
+            calls.append(
+                call_from_object({"name": name.strip(), "arguments": json.loads(arguments)})
+            )
+        else:
+            raise ValueError("no calls after [TOOL_CALLS]")
+    return calls

@@ -1,0 +1,111 @@
+"""Worker rank 0's side of structured outputs: one grammar matcher per constrained sequence,
+and the batch's token bitmask.
+
+A matcher is derived from its sequence's tokens, not from what the worker sampled: before
+each sample it accepts the output tokens it has not seen yet. So it follows the sequence
+whatever happened to it: a preempted sequence comes back as a new one and its matcher is
+rebuilt from its tokens, an n > 1 fork gets a matcher of its own, a token of the step before
+that arrives as a placeholder (async scheduling) is accepted once the worker has filled it in,
+and a sequence ended by a stop string is dropped with its matcher.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+from pagedllm.core.step_plan import NewSequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenMask:
+    """The tokens each constrained row of a batch may take: xgrammar's packed bitmask (one
+    bit per token id, set when allowed) and the rows it applies to."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set the disallowed tokens' logits of the constrained rows to -inf, all at once."""
+        xgr.apply_token_bitmask_inplace(
+            logits, self.bitmask.to(logits.device, non_blocking=True), indices=self.rows
+        )
+
+
+@dataclass
+class _Matcher:
+    matcher: xgr.GrammarMatcher
+    # Output tokens accepted so far.
+    consumed: int = 0
+    # A token the grammar refused: the sequence goes on unconstrained.
+    broken: bool = False
+
+
+class GrammarMatchers:
+    def __init__(self, info: xgr.TokenizerInfo) -> None:
+        self.info = info
+        self.grammars: dict[str, xgr.CompiledGrammar] = {}
+        self._matchers: dict[int, _Matcher] = {}
+        self._bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+
+    def load(self, grammars: dict[str, str]) -> str | None:
+        """Take in the plan's new grammars; what is wrong with one, or None."""
+        for key, data in grammars.items():
+            if key in self.grammars:  # keys name their content
+                continue
+            try:
+                self.grammars[key] = xgr.CompiledGrammar.deserialize_json(data, self.info)
+            except Exception as error:  # a grammar compiled for another vocabulary, or junk
+                return f"grammar {key} cannot be loaded: {error}"
+        return None
+
+    def drop_grammars(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.grammars.pop(key, None)
+
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            self._matchers.pop(seq_id, None)
+
+    def mask(self, seqs: list[tuple[int, NewSequence]]) -> TokenMask | None:
+        """The bitmask of the batch sampling ``seqs`` (in row order), or None when none of
+        them is constrained."""
+        rows = [i for i, (_, seq) in enumerate(seqs) if seq.sampling.grammar_key is not None]
+        if not rows:
+            return None
+        if self._bitmask.shape[0] < len(seqs):
+            self._bitmask = xgr.allocate_token_bitmask(len(seqs), self.info.vocab_size)
+        filled = []
+        for i in rows:
+            seq_id, seq = seqs[i]
+            state = self._advance(seq_id, seq)
+            # A grammar that took its end token has a sequence the scheduler is ending: a
+            # step planned ahead still samples it, and that sample is dropped.
+            if not state.broken and not state.matcher.is_terminated():
+                state.matcher.fill_next_token_bitmask(self._bitmask, i)
+                filled.append(i)
+        return TokenMask(self._bitmask[: len(seqs)], filled) if filled else None
+
+    def _advance(self, seq_id: int, seq: NewSequence) -> _Matcher:
+        state = self._matchers.get(seq_id)
+        if state is None:
+            key = seq.sampling.grammar_key
+            assert key is not None
+            state = self._matchers[seq_id] = _Matcher(xgr.GrammarMatcher(self.grammars[key]))
+        outputs = seq.token_ids[seq.prompt_len :]
+        for token in outputs[state.consumed :]:
+            if not state.broken and not state.matcher.accept_token(token):
+                log.warning(
+                    "sequence %d: the grammar refused token %d; the rest is unconstrained",
+                    seq_id,
+                    token,
+                )
+                state.broken = True
+        state.consumed = len(outputs)
+        return state
