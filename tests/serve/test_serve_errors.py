@@ -240,6 +240,9 @@ def test_the_prompts_of_one_request_are_admitted_together(server: Server) -> Non
         assert sorted(c["index"] for c in response.json()["choices"]) == [0, 1, 2]
 
 
+KV_EVENTS = "/v1/kv_events"
+
+
 def _clamp_cost(body: Any) -> Any:
     """Valid but expensive sample counts are cut down, and batches of prompts to two; invalid
     values stay as generated."""
@@ -257,9 +260,15 @@ def _clamp_cost(body: Any) -> Any:
 def test_fuzzed_requests_never_get_a_server_error(server: Server) -> None:
     auth = {"Authorization": f"Bearer {API_KEY}"}
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json", headers=auth)
+    # The KV-events feed takes no input and streams until the node stops, so a call to it
+    # never returns (tests/serve/test_serve_kv_events.py covers it).
+    operations = [
+        result.ok() for result in schema.get_all_operations() if result.ok().path != KV_EVENTS
+    ]
+    assert len(operations) > 5
     strategies = [
-        result.ok().as_strategy(generation_mode=mode)
-        for result in schema.get_all_operations()
+        operation.as_strategy(generation_mode=mode)
+        for operation in operations
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
     ]
     seen: dict[int, int] = {}
