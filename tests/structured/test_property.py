@@ -17,10 +17,12 @@ from hypothesis import strategies as st
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from tests.structured.strategies import choices, json_schemas, regexes
 
-# The demo model's KV cache holds 4 KiB a token: 16 blocks of 16 tokens, room for one long
-# sequence, while n = 4 need four.
-TINY_KV_CACHE = 1 << 20
-MAX_TOKENS = 150
+# The demo model's KV cache holds 4 KiB a token: 12 blocks of 16 tokens. The prompt's 4 blocks
+# (3 full ones) are shared by the n = 4 samples, whose outputs need 2 to 4 blocks each.
+TINY_KV_CACHE = 768 << 10
+TINY_MAX_MODEL_LEN = 192
+LONG_PROMPT = "Write it down, every field of it, in the form asked for and nothing else. " * 2
+MAX_TOKENS = 120
 # No shrinking: each example runs the model for a while, and a failure shows its constraint.
 PROPERTY = settings(
     max_examples=5,
@@ -38,16 +40,18 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[LLM]:
-    llm = LLM(kv_cache_memory=TINY_KV_CACHE, max_model_len=256)
+    llm = LLM(kv_cache_memory=TINY_KV_CACHE, max_model_len=TINY_MAX_MODEL_LEN)
     yield llm
     assert llm.engine.scheduler.num_preemptions > 0, "the tiny cache never preempted"
 
 
-def _generate(llm: LLM, constraint: StructuredOutputsParams, n: int, seed: int) -> list:
+def _generate(
+    llm: LLM, constraint: StructuredOutputsParams, n: int, seed: int, prompt: str = "Write:"
+) -> list:
     params = SamplingParams(
         n=n, temperature=1.0, seed=seed, max_tokens=MAX_TOKENS, structured_outputs=constraint
     )
-    (out,) = llm.generate(["Write it down:"], params, use_tqdm=False)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
     assert len(out.outputs) == n
     return out.outputs
 
@@ -67,18 +71,20 @@ def test_json_outputs_validate(llm: LLM, schema: dict, seed: int) -> None:
     _check_json(_generate(llm, StructuredOutputsParams(json=schema), 4, seed), schema)
 
 
+@pytest.mark.timeout(1800)  # a shared machine can be slow; the sample is small already
 @PROPERTY
 @given(schema=json_schemas(), seed=st.integers(0, 2**31))
 def test_json_outputs_validate_through_preemption(tiny: LLM, schema: dict, seed: int) -> None:
     compact = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-    outputs = _generate(tiny, compact, 4, seed)
+    outputs = _generate(tiny, compact, 4, seed, LONG_PROMPT)
     assert _check_json(outputs, schema) >= 1, [o.text for o in outputs]
 
 
+@pytest.mark.timeout(1800)
 @PROPERTY
 @given(pattern=regexes(), seed=st.integers(0, 2**31))
 def test_regex_outputs_full_match(tiny: LLM, pattern: str, seed: int) -> None:
-    outputs = _generate(tiny, StructuredOutputsParams(regex=pattern), 4, seed)
+    outputs = _generate(tiny, StructuredOutputsParams(regex=pattern), 4, seed, LONG_PROMPT)
     finished = [o.text for o in outputs if o.finish_reason == "stop"]
     assert finished, [o.text for o in outputs]
     for text in finished:
