@@ -160,7 +160,9 @@ def start_nodes(
     return nodes
 
 
-def start_router(model: Path, nodes: list[Process], policy: str, workdir: Path) -> Process:
+def start_router(
+    model: Path, nodes: list[Process], policy: str, workdir: Path, load_bound: float | None = None
+) -> Process:
     argv = [
         "router",
         "--model",
@@ -171,6 +173,7 @@ def start_router(model: Path, nodes: list[Process], policy: str, workdir: Path) 
         ",".join(n.url for n in nodes),
         "--policy",
         policy,
+        *(["--load-bound", str(load_bound)] if load_bound is not None else []),
     ]
     router = launch(f"router-{policy}", argv, workdir, None, 1)
     wait_healthy(router)
@@ -338,7 +341,7 @@ def part_a(args, model, tokenizer, workdir) -> dict[str, Any]:
     try:
         for index, policy in enumerate(args.policies):
             requests = [p for _, p in shared_prefix_requests(tokenizer, args, 100 + index, total)]
-            router = start_router(model, nodes, policy, workdir)
+            router = start_router(model, nodes, policy, workdir, args.load_bound)
             try:
                 print(
                     f"(a) policy {policy}: {args.warmup} + {args.requests} requests ...", flush=True
@@ -372,7 +375,7 @@ def part_b(args, model, tokenizer, workdir) -> dict[str, Any]:
     prompts = random_texts(tokenizer, args.uniform_requests, args.uniform_len, rng)
     nodes = start_nodes(args, model, args.nodes, kv_tokens, workdir, "uniform")
     try:
-        router = start_router(model, nodes, "prefix", workdir)
+        router = start_router(model, nodes, "prefix", workdir, args.load_bound)
         try:
             print(f"(b) uniform workload, {len(prompts)} requests ...", flush=True)
             return run_workload(router.url, nodes, [], prompts, args)
@@ -525,6 +528,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=24)
     parser.add_argument("--requests", type=int, default=240)
     parser.add_argument("--concurrency", type=int, default=12)
+    parser.add_argument(
+        "--load-bound", type=float, help="the router's --load-bound (default: the router's own)"
+    )
     parser.add_argument("--no-one-node", dest="one_node", action="store_false")
     parser.add_argument("--uniform-requests", type=int, default=120)
     parser.add_argument("--uniform-len", type=int, default=128)

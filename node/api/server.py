@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 import msgpack
 import uvicorn
 
+from pagedllm.api import event_loop
 from pagedllm.api.app import build_app
 from pagedllm.api.chat_settings import ChatSettings
 from pagedllm.api.engine_client import EngineClient
@@ -141,7 +142,7 @@ def run_api_server(spec: ApiServerSpec) -> int:
         log.error("cannot listen on %s:%d: %s", spec.host, spec.port, error)
         return 1
     try:
-        asyncio.run(_serve(spec, sock, tokenizer))
+        event_loop.run(_serve(spec, sock, tokenizer))
     except Exception:
         log.exception("api server %d failed", spec.index)
         return 1

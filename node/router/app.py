@@ -102,7 +102,7 @@ async def _route(
         backends = await state.router.ready_backends()
         choice = state.router.choose(tokens, backends)
         sent = _once(lambda: state.metrics.routing_seconds.observe(time.perf_counter() - arrived))
-        response = await state.forwarder.forward(request, raw, choice.order, sent)
+        response = await state.forwarder.forward(request, raw, choice.order, choice.key, sent)
     except BaseException:
         state.in_flight -= 1
         raise

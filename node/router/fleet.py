@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -26,11 +27,25 @@ class Backend:
     residency: Residency | None = None
     feed_load: Load | None = None
     in_flight: int = 0
+    # This router's requests in flight there by their prompt's placement key (the policy's
+    # per-prompt load bound).
+    prompts: Counter[bytes] = field(default_factory=Counter, repr=False)
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
     def ready(self) -> bool:
         return self.residency is not None
+
+    def enter(self, key: bytes) -> None:
+        """A request with placement key ``key`` left for this backend."""
+        self.in_flight += 1
+        self.prompts[key] += 1
+
+    def leave(self, key: bytes) -> None:
+        self.in_flight -= 1
+        self.prompts[key] -= 1
+        if self.prompts[key] <= 0:
+            del self.prompts[key]
 
     @property
     def load(self) -> int:

@@ -1,13 +1,21 @@
 """Which node gets a request: pure functions of what each candidate holds and how busy it is.
 
 ``prefix`` sends a request to the node holding the longest cached prefix of its prompt, unless
-that node is above the load bound (consistent hashing with bounded loads: no node takes more than
-``load_bound`` times its fair share of the requests in flight, this one included); then to the
-least-loaded node. A prompt cached nowhere goes to the node a rendezvous hash of its leading
-tokens picks among those within the bound that have had the fewest such placements, so that
-new prompts spread evenly over the nodes' caches (the router remembers where it sent a prompt
-until the node's feed reports it cached: requests sharing a system prompt land together and
-the next ones find it cached). ``least-load``, ``round-robin`` and ``random`` (what a
+that prompt's own requests there are above the load bound (consistent hashing with bounded
+loads: no more than ``load_bound`` times a node's fair share of the requests in flight, this one
+included); then to the least-loaded node. The bound counts only the prompt's own requests on
+the nodes caching it because of what a move costs: moving one request off a node busy with
+several prompts prefills the whole prompt on a node whose cache holds other prompts, evicting
+one of them for the next request that needs it (in ``bench/fleet.py`` a bound on each node's
+total load lost a third of the fleet's prefix hits this way), while a prompt whose own requests
+exceed the bound (one hot system prompt) overflows, and its copy on the next node is worth its
+memory. Nodes not caching the prompt are bounded by their total load.
+
+A prompt cached nowhere goes to the node a rendezvous hash of its leading tokens picks among
+those within the bound that have had the fewest such placements, so that new prompts spread
+evenly over the nodes' caches (the router remembers where it sent a prompt until the node's
+feed reports it cached: requests sharing a system prompt land together and the next ones find
+it cached). ``least-load``, ``round-robin`` and ``random`` (what a
 Kubernetes Service does, for comparisons) ignore the caches.
 """
 
@@ -48,6 +56,7 @@ class Candidate:
     cached_tokens: int  # the leading tokens of this prompt the node holds
     load: int  # requests running and waiting there
     placed: int = 0  # prompts cached nowhere that were sent there so far
+    prompt_load: int = 0  # requests with this prompt's placement key in flight there
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class Choice:
     order: list[str]  # the nodes to try, best first (the rest only when the first refuses)
     reason: Reason
     cached_tokens: int  # what the first node is predicted to hold
+    key: bytes  # the prompt's placement key
 
 
 def placement_key(token_ids: Sequence[int]) -> bytes:
@@ -95,9 +105,15 @@ def choose(
     return _prefix(candidates, key, load_bound)
 
 
+def bounded_load(candidate: Candidate) -> int:
+    """The load the bound applies to: on a node caching part of the prompt, only this prompt's
+    own requests there; on any other node, all of them."""
+    return candidate.prompt_load if candidate.cached_tokens > 0 else candidate.load
+
+
 def _prefix(candidates: Sequence[Candidate], key: bytes, load_bound: float) -> Choice:
     cap = capacity([c.load for c in candidates], load_bound)
-    within = [c for c in candidates if c.load + 1 <= cap]
+    within = [c for c in candidates if bounded_load(c) + 1 <= cap]
     best = max(within, key=lambda c: (c.cached_tokens, -c.load, rendezvous(key, c.url)))
     if best.cached_tokens > 0:
         return _first(best, candidates, key, Reason.PREFIX)
@@ -119,4 +135,4 @@ def _first(
         (c for c in candidates if c.url != chosen.url),
         key=lambda c: (-c.cached_tokens, c.load, -rendezvous(key, c.url)),
     )
-    return Choice([chosen.url, *(c.url for c in rest)], reason, chosen.cached_tokens)
+    return Choice([chosen.url, *(c.url for c in rest)], reason, chosen.cached_tokens, key)

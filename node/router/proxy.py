@@ -79,17 +79,23 @@ class Forwarder:
         return {"content-type": content_type, **self.auth_headers()}
 
     async def forward(
-        self, request: Request, body: bytes, order: list[str], on_sent: Callable[[], None]
+        self,
+        request: Request,
+        body: bytes,
+        order: list[str],
+        key: bytes,
+        on_sent: Callable[[], None],
     ) -> Response:
         """The first answer of the backends in ``order`` that neither refuses the connection
-        nor answers 503; ``on_sent`` is called when the request first leaves for a backend."""
+        nor answers 503; ``key`` is the prompt's placement key, counted in flight where the
+        request goes; ``on_sent`` is called when the request first leaves for a backend."""
         refusals: list[str] = []
         last_503: dict[str, Any] | None = None
         for url in order:
             backend = self.fleet.backends.get(url)
             if backend is None:  # removed since the choice
                 continue
-            backend.in_flight += 1
+            backend.enter(key)
             handed_over = False
             try:
                 upstream_request = self.client.build_request(
@@ -108,7 +114,7 @@ class Forwarder:
                 handed_over = True
 
                 def done(backend: Any = backend) -> None:
-                    backend.in_flight -= 1
+                    backend.leave(key)
 
                 return UpstreamResponse(upstream, done)
             except (httpx.ConnectError, httpx.ConnectTimeout) as error:
@@ -128,7 +134,7 @@ class Forwarder:
                 )
             finally:
                 if not handed_over:
-                    backend.in_flight -= 1
+                    backend.leave(key)
         message = _error_message(last_503)
         if message is not None:
             error = unavailable(message, "upstream_unavailable")

@@ -115,12 +115,14 @@ class Router:
         now = time.monotonic()
         ready = [b for b in backends if b.residency is not None]
         hashes = {b.url: prompt.for_scheme(b.residency.scheme) for b in ready}  # type: ignore[union-attr]
+        key = placement_key(token_ids)
         candidates = [
             Candidate(
                 b.url,
                 cached_tokens(b, hashes[b.url], self._pending_of(b.url), now),
                 b.load,
                 self._placed.get(b.url, 0),
+                b.prompts[key],
             )
             for b in ready
         ]
@@ -128,13 +130,7 @@ class Router:
             turn = self.rng.randrange(len(candidates))
         else:
             turn, self._turn = self._turn, self._turn + 1
-        choice = choose(
-            self.settings.policy,
-            candidates,
-            placement_key(token_ids),
-            self.settings.load_bound,
-            turn,
-        )
+        choice = choose(self.settings.policy, candidates, key, self.settings.load_bound, turn)
         chosen = choice.order[0]
         self._pending_of(chosen).add(hashes[chosen], now)
         if choice.reason == Reason.FALLBACK:

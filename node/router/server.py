@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import httpx
 import uvicorn
 
+from pagedllm.api import event_loop
 from pagedllm.api.server import forbid_torch
 from pagedllm.api.token_bytes import max_token_bytes
 from pagedllm.api.tokenizing import TokenizingContext
@@ -130,7 +131,7 @@ def main(args: RouterArgs, sources: Sequence[BackendSource] = ()) -> int:
         chat=args.chat,
     )
     try:
-        asyncio.run(_serve(args, ctx, sources))
+        event_loop.run(_serve(args, ctx, sources))
     except OSError as error:
         log.error("cannot serve on %s:%d: %s", args.host, args.port, error)
         return 1

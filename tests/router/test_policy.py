@@ -12,6 +12,7 @@ from pagedllm.router.policy import (
     Candidate,
     Policy,
     Reason,
+    bounded_load,
     capacity,
     choose,
     placement_key,
@@ -22,7 +23,8 @@ KEY = placement_key(list(range(200)))
 
 
 def nodes(*specs: tuple[str, int, int]) -> list[Candidate]:
-    return [Candidate(url, cached, load) for url, cached, load in specs]
+    """(url, cached tokens, load): every request in flight there is of this prompt."""
+    return [Candidate(url, cached, load, prompt_load=load) for url, cached, load in specs]
 
 
 def test_the_longest_cached_prefix_wins_within_the_bound() -> None:
@@ -41,6 +43,24 @@ def test_a_node_above_the_bound_is_passed_over_for_the_least_loaded() -> None:
     # A looser bound lets the cache win again.
     loose = choose(Policy.PREFIX, nodes((A, 1024, 9), (B, 0, 1), (C, 0, 2)), KEY, 3.0, 0)
     assert loose.order[0] == A and loose.reason == Reason.PREFIX
+
+
+def test_a_node_over_the_bound_keeps_a_prompt_whose_own_requests_are_within_it() -> None:
+    """Loads 9, 1, 2 (bound 6): A is over the bound with other prompts' requests; this
+    prompt's 2 there are within it, so it stays where it is cached rather than be prefilled on
+    a node whose cache holds other prompts."""
+    mixed = [Candidate(A, 1024, 9, prompt_load=2), Candidate(B, 0, 1), Candidate(C, 0, 2)]
+    assert bounded_load(mixed[0]) == 2
+    choice = choose(Policy.PREFIX, mixed, KEY, 1.25, 0)
+    assert choice.order[0] == A and choice.reason == Reason.PREFIX
+    # Once this prompt alone is at the bound there, it overflows to the least-loaded node.
+    hot = [Candidate(A, 1024, 9, prompt_load=6), Candidate(B, 0, 1), Candidate(C, 0, 2)]
+    choice = choose(Policy.PREFIX, hot, KEY, 1.25, 0)
+    assert choice.order[0] == B and choice.reason == Reason.LOAD
+    # A node that does not cache the prompt is bounded by all of its load.
+    cold = [Candidate(A, 0, 9, prompt_load=2), Candidate(B, 0, 1), Candidate(C, 0, 2)]
+    assert bounded_load(cold[0]) == 9
+    assert choose(Policy.PREFIX, cold, KEY, 1.25, 0).order[0] != A
 
 
 def test_a_shorter_prefix_within_the_bound_beats_the_overloaded_longest() -> None:
@@ -107,20 +127,30 @@ def test_no_candidates_is_an_error() -> None:
 @given(
     loads=st.lists(st.integers(0, 50), min_size=1, max_size=8),
     cached=st.lists(st.integers(0, 4).map(lambda b: 16 * b), min_size=8, max_size=8),
+    mine=st.lists(st.floats(0.0, 1.0), min_size=8, max_size=8),
     bound=st.floats(1.0, 4.0),
 )
-def test_prefix_never_picks_a_node_over_the_bound(
-    loads: list[int], cached: list[int], bound: float
+def test_prefix_never_picks_a_node_over_the_bound_for_its_prompt(
+    loads: list[int], cached: list[int], mine: list[float], bound: float
 ) -> None:
-    candidates = [Candidate(f"http://n{i}", cached[i], load) for i, load in enumerate(loads)]
+    """``mine``: the share of each node's load that is this prompt's."""
+    candidates = [
+        Candidate(f"http://n{i}", cached[i], load, prompt_load=round(mine[i] * load))
+        for i, load in enumerate(loads)
+    ]
     choice = choose(Policy.PREFIX, candidates, KEY, bound, 0)
     chosen = next(c for c in candidates if c.url == choice.order[0])
-    assert chosen.load + 1 <= capacity(loads, bound)
+    cap = capacity(loads, bound)
+
+    def eligible(c: Candidate) -> bool:
+        return bounded_load(c) + 1 <= cap
+
+    assert eligible(chosen)
     assert sorted(choice.order) == sorted(c.url for c in candidates)
-    # Within the bound, nothing holds more of the prompt than the chosen node.
-    within = [c for c in candidates if c.load + 1 <= capacity(loads, bound)]
+    # Among the eligible, nothing holds more of the prompt than the chosen node.
     if choice.reason == Reason.PREFIX:
-        assert chosen.cached_tokens == max(c.cached_tokens for c in within) > 0
+        best = max(c.cached_tokens for c in candidates if eligible(c))
+        assert chosen.cached_tokens == best > 0
 
 
 def test_prompts_cached_nowhere_spread_by_placements_so_far() -> None:
