@@ -1,12 +1,15 @@
 """Structured outputs: what a JSON schema on every request costs.
 
 Output tokens per second at batch 1 and 32 with a ``json_schema`` on every request, beside the
-same requests unconstrained with the same output lengths (the constrained run goes first; the
-unconstrained one ignores EOS and stops at each output's length). And the time to the first
-token of a request whose schema is new (compiled for it) beside one whose schema is cached.
-The offline engine runs both, on the benchmark model, so the numbers are the engine's own.
+same requests unconstrained with the same output lengths (each constrained run is followed by
+an unconstrained one that ignores EOS and stops at each output's length). The runs alternate
+for ``--rounds`` rounds and the medians are compared, so that a shared machine's load falls on
+both alike. And the time to the first token of a request whose schema is new (compiled for it)
+beside one whose schema is cached, alternating, with where the new schema's time goes (compile,
+the compiled form's trip to the worker, the matcher). The offline engine runs all of it, on the
+benchmark model, so the numbers are the engine's own.
 
-    python bench/structured.py [--batch-sizes 1,32] [--items 24]
+    python bench/structured.py [--batch-sizes 1,32] [--items 24] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ def _run(llm: Any, prompts: list[list[int]], params: list[Any]) -> tuple[float, 
     return time.perf_counter() - start, [lengths[k] for k in sorted(lengths, key=int)]
 
 
-def throughput(llm: Any, batch: int, items: int, seed: int, vocab: int) -> dict[str, Any]:
+def throughput(
+    llm: Any, batch: int, items: int, seed: int, vocab: int, rounds: int
+) -> dict[str, Any]:
     from pagedllm import SamplingParams, StructuredOutputsParams
 
     workload = common.make_workload(batch, vocab, seed, prompt_len=64, prompt_spread=16)
@@ -65,16 +70,24 @@ def throughput(llm: Any, batch: int, items: int, seed: int, vocab: int) -> dict[
         SamplingParams(temperature=1.0, max_tokens=512, structured_outputs=constraint)
         for _ in range(batch)
     ]
-    with_schema_s, lengths = _run(llm, workload.prompts, constrained)
-    free = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    without_s, free_lengths = _run(llm, workload.prompts, free)
-    tokens = sum(lengths)
+    with_schema, without = [], []
+    tokens = free_tokens = 0
+    for _ in range(rounds):
+        with_schema_s, lengths = _run(llm, workload.prompts, constrained)
+        free = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in lengths]
+        without_s, free_lengths = _run(llm, workload.prompts, free)
+        with_schema.append(sum(lengths) / with_schema_s)
+        without.append(sum(free_lengths) / without_s)
+        tokens += sum(lengths)
+        free_tokens += sum(free_lengths)
     return {
         "batch": batch,
         "output_tokens": tokens,
-        "unconstrained_output_tokens": sum(free_lengths),
-        "json_schema_tokens_per_s": tokens / with_schema_s,
-        "unconstrained_tokens_per_s": sum(free_lengths) / without_s,
+        "unconstrained_output_tokens": free_tokens,
+        "json_schema_tokens_per_s": statistics.median(with_schema),
+        "unconstrained_tokens_per_s": statistics.median(without),
+        "rounds_json_schema_tokens_per_s": with_schema,
+        "rounds_unconstrained_tokens_per_s": without,
     }
 
 
@@ -100,17 +113,43 @@ def time_to_first_token(llm: Any, items: int, repeats: int) -> dict[str, float]:
 
     cached = StructuredOutputsParams(json=schema(items))
     first_token_s(llm, cached)  # compiled and cached
-    cached_s = [first_token_s(llm, cached) for _ in range(repeats)]
-    new_s = [
-        first_token_s(
-            llm, StructuredOutputsParams(json=schema(items, f"values_{i}_{time.time_ns()}"))
-        )
-        for i in range(repeats)
-    ]
+    cached_s, new_s = [], []
+    for i in range(repeats):  # alternating, so that the machine's load falls on both alike
+        cached_s.append(first_token_s(llm, cached))
+        name = f"values_{i}_{time.time_ns()}"
+        new_s.append(first_token_s(llm, StructuredOutputsParams(json=schema(items, name))))
     return {
         "cached_ms": statistics.median(cached_s) * 1e3,
         "new_ms": statistics.median(new_s) * 1e3,
+        **new_schema_parts_ms(llm, items, repeats),
     }
+
+
+def new_schema_parts_ms(llm: Any, items: int, repeats: int) -> dict[str, float]:
+    """Medians of the steps a new schema takes before its first token: compiling it (the
+    scheduler), carrying the compiled form to the worker and loading it there, and the
+    matcher's first mask."""
+    import xgrammar as xgr
+
+    from pagedllm import StructuredOutputsParams
+
+    compiler = llm.engine._grammar_compiler
+    info = llm.engine.runner.grammars.info
+    parts: dict[str, list[float]] = {"compile": [], "load": [], "first_mask": []}
+    for i in range(repeats):
+        params = StructuredOutputsParams(json=schema(items, f"parts_{i}_{time.time_ns()}"))
+        start = time.perf_counter()
+        ref = compiler.compile(params)
+        loaded_at = time.perf_counter()
+        compiled = xgr.CompiledGrammar.deserialize_json(ref.data, info)
+        masked_at = time.perf_counter()
+        bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        end = time.perf_counter()
+        parts["compile"].append(loaded_at - start)
+        parts["load"].append(masked_at - loaded_at)
+        parts["first_mask"].append(end - masked_at)
+    return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in parts.items()}
 
 
 def plot(results: dict[str, Any], name: str) -> Path:
@@ -146,6 +185,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--items", type=int, default=24, help="integers in each output's list")
     parser.add_argument("--repeats", type=int, default=5, help="requests per TTFT median")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs per batch size")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="structured")
@@ -161,7 +201,7 @@ def main() -> None:
     rows = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         print(f"batch {batch} ...", flush=True)
-        rows.append(throughput(llm, batch, args.items, args.seed, vocab))
+        rows.append(throughput(llm, batch, args.items, args.seed, vocab, args.rounds))
         gc.collect()
     ttft = time_to_first_token(llm, args.items, args.repeats)
     for r in rows:
@@ -182,6 +222,10 @@ def main() -> None:
     )
     cached, new = ttft["cached_ms"], ttft["new_ms"]
     print(f"\ntime to first token: cached schema {cached:.1f} ms, new {new:.1f} ms")
+    print(
+        f"a new schema's steps: compile {ttft['compile_ms']:.1f} ms, load in the worker "
+        f"{ttft['load_ms']:.1f} ms, first mask {ttft['first_mask_ms']:.1f} ms"
+    )
     biggest = max(rows, key=lambda r: r["batch"])
     targets = [
         common.Target(

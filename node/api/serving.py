@@ -233,6 +233,10 @@ class GenerationRun(abc.ABC):
     def final_choice(self, index: int, output: CompletionOutput) -> dict[str, Any]:
         """The closing choice of one that ended without saying why in its last step."""
 
+    def final_choices(self, index: int, output: CompletionOutput) -> list[dict[str, Any]]:
+        """The closing choices (each in a chunk of its own) of such a choice."""
+        return [self.final_choice(index, output)]
+
     def usage(self) -> dict[str, int]:
         prompt = sum(len(p.token_ids) for p in self.generation.prompts)
         completion = sum(len(o.token_ids) for out in self.generation.outputs() for o in out.outputs)
@@ -285,6 +289,7 @@ class GenerationRun(abc.ABC):
             for o in out.outputs:
                 index = prompt_index * n + o.index
                 if index not in finished:
-                    yield sse(self.chunk([self.final_choice(index, o)]))
+                    for choice in self.final_choices(index, o):
+                        yield sse(self.chunk([choice]))
         if self.body.stream_options and self.body.stream_options.include_usage:
             yield sse(self.chunk([], usage=self.usage()))

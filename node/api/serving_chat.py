@@ -18,6 +18,7 @@ from pagedllm.api.serving import (
     random_id,
     sampling_params,
 )
+from pagedllm.api.tool_call_stream import ToolCallStream
 from pagedllm.api.tool_calls import (
     ToolChoiceError,
     ToolPlan,
@@ -32,8 +33,8 @@ from pagedllm.outputs import CompletionOutput
 class ChatRun(GenerationRun):
     body: ChatCompletionRequest
     tools: ToolPlan | None = None
-    # With tools, each streamed choice's text, held until its end says whether it is calls.
-    _held: dict[int, str] = field(default_factory=dict, init=False)
+    # With tools, each streamed choice's calls as far as they are sent.
+    _streams: dict[int, ToolCallStream] = field(default_factory=dict, init=False)
 
     CHUNK_OBJECT = "chat.completion.chunk"
 
@@ -48,10 +49,7 @@ class ChatRun(GenerationRun):
         message = {
             "role": "assistant",
             "content": parsed.content,
-            "tool_calls": [
-                {k: v for k, v in call.items() if k != "index"}
-                for call in tool_calls_json(parsed.calls)
-            ],
+            "tool_calls": tool_calls_json(parsed.calls),
         }
         return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
@@ -118,9 +116,10 @@ class ChatRun(GenerationRun):
                 }
             )
         if self.tools is not None:
-            self._held[index] = self._held.get(index, "") + delta.text
+            stream = self._streams.setdefault(index, ToolCallStream(self.tools))
+            choices += [self._delta_choice(index, d) for d in stream.feed(delta.text)]
             if delta.finish_reason is not None:
-                choices.append(self._held_choice(index, delta.finish_reason, delta.stop_reason))
+                choices += self._closing(index, delta.finish_reason, delta.stop_reason)
             return choices
         logprobs = None
         if self.body.logprobs and delta.logprobs:
@@ -137,30 +136,28 @@ class ChatRun(GenerationRun):
             )
         return choices
 
-    def _held_choice(
+    @staticmethod
+    def _delta_choice(index: int, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def _closing(
         self, index: int, finish_reason: str | None, stop_reason: int | str | None
-    ) -> dict[str, Any]:
-        """A choice's whole held text as one delta: its content, or its calls (OpenAI's
-        incremental ``delta.tool_calls``, each call complete in its first delta)."""
-        message, finish_reason = self.message(self._held.pop(index, ""), finish_reason)
-        delta: dict[str, Any] = {}
-        if message.get("content"):
-            delta["content"] = message["content"]
-        if "tool_calls" in message:
-            delta["tool_calls"] = [
-                {"index": i, **call} for i, call in enumerate(message["tool_calls"])
-            ]
-        return {
-            "index": index,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": finish_reason,
-            "stop_reason": stop_reason,
-        }
+    ) -> list[dict[str, Any]]:
+        """A tool-aware choice's last deltas and its finish."""
+        assert self.tools is not None
+        stream = self._streams.pop(index, None) or ToolCallStream(self.tools)
+        deltas, finish_reason = stream.finish(finish_reason)
+        return [self._delta_choice(index, d) for d in deltas] + [
+            {
+                "index": index,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        ]
 
     def final_choice(self, index: int, output: CompletionOutput) -> dict[str, Any]:
-        if self.tools is not None:
-            return self._held_choice(index, output.finish_reason, output.stop_reason)
         return {
             "index": index,
             "delta": {},
@@ -168,6 +165,11 @@ class ChatRun(GenerationRun):
             "finish_reason": output.finish_reason,
             "stop_reason": output.stop_reason,
         }
+
+    def final_choices(self, index: int, output: CompletionOutput) -> list[dict[str, Any]]:
+        if self.tools is not None:
+            return self._closing(index, output.finish_reason, output.stop_reason)
+        return [self.final_choice(index, output)]
 
 
 async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> ChatRun:

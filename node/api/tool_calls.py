@@ -17,7 +17,14 @@ from typing import Any
 from pagedllm.api.chat_settings import ChatSettings
 from pagedllm.api.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
 from pagedllm.api.tool_parsers import PARSERS, ParsedOutput, ToolCall, ToolParser
-from pagedllm.api.tool_parsers.base import call_from_object
+from pagedllm.api.tool_parsers.base import (
+    PARTIAL_STRINGS,
+    PartialCall,
+    PartialOutput,
+    call_from_object,
+    partial_calls,
+    partial_json,
+)
 from pagedllm.sampling_params import StructuredOutputsParams
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -87,6 +94,18 @@ class ToolPlan:
         assert self.parser is not None
         return self.parser.parse(text)
 
+    def read_partial(self, text: str) -> PartialOutput:
+        """What the start of a reply, ``text``, shows so far: ``read`` for streaming."""
+        if self.mode == "named":
+            arguments = partial_json(text, PARTIAL_STRINGS)
+            return PartialOutput(
+                "", [PartialCall(self.name, arguments if isinstance(arguments, dict) else None)]
+            )
+        if self.mode == "required":
+            return PartialOutput("", partial_calls(text, ("parameters",)))
+        assert self.parser is not None
+        return self.parser.parse_partial(text)
+
 
 def plan_tools(body: ChatCompletionRequest, settings: ChatSettings) -> ToolPlan | None:
     """The request's tool plan; None when no tool may be called. ``ToolChoiceError`` for a
@@ -115,14 +134,17 @@ def plan_tools(body: ChatCompletionRequest, settings: ChatSettings) -> ToolPlan 
     return ToolPlan("auto", tools, parallel, parser=PARSERS[settings.tool_call_parser])
 
 
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
 def tool_calls_json(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    """OpenAI's ``tool_calls`` entries (with ``index``, which streamed deltas carry)."""
+    """OpenAI's ``message.tool_calls``."""
     return [
         {
-            "index": i,
-            "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+            "id": tool_call_id(),
             "type": "function",
             "function": {"name": call.name, "arguments": call.arguments},
         }
-        for i, call in enumerate(calls)
+        for call in calls
     ]

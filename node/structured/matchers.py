@@ -7,12 +7,16 @@ whatever happened to it: a preempted sequence comes back as a new one and its ma
 rebuilt from its tokens, an n > 1 fork gets a matcher of its own, a token of the step before
 that arrives as a placeholder (async scheduling) is accepted once the worker has filled it in,
 and a sequence ended by a stop string is dropped with its matcher.
+
+The mask of a step depends only on tokens known before the step runs, so it is filled on a
+thread of its own while the model runs (xgrammar releases the GIL while it fills).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +57,13 @@ class GrammarMatchers:
         self.grammars: dict[str, xgr.CompiledGrammar] = {}
         self._matchers: dict[int, _Matcher] = {}
         self._bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+        # One thread: masks are filled one step at a time, in order.
+        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self._filling: Future[TokenMask | None] | None = None
 
     def load(self, grammars: dict[str, str]) -> str | None:
         """Take in the plan's new grammars; what is wrong with one, or None."""
+        self._settle()
         for key, data in grammars.items():
             if key in self.grammars:  # keys name their content
                 continue
@@ -66,12 +74,32 @@ class GrammarMatchers:
         return None
 
     def drop_grammars(self, keys: Iterable[str]) -> None:
+        self._settle()
         for key in keys:
             self.grammars.pop(key, None)
 
     def forget(self, seq_ids: Iterable[int]) -> None:
+        self._settle()
         for seq_id in seq_ids:
             self._matchers.pop(seq_id, None)
+
+    def mask_ahead(self, seqs: list[tuple[int, NewSequence]]) -> Future[TokenMask | None]:
+        """``mask`` on the filling thread, so that it runs alongside the model; the caller
+        touches no matcher and no sequence's tokens until the future is done (the next
+        plan's ``forget`` waits for it, should a failed step have left it running)."""
+        self._settle()
+        if all(seq.sampling.grammar_key is None for _, seq in seqs):
+            none: Future[TokenMask | None] = Future()
+            none.set_result(None)  # no thread hop for a batch without constraints
+            return none
+        self._filling = self._filler.submit(self.mask, seqs)
+        return self._filling
+
+    def _settle(self) -> None:
+        """Wait for a mask still being filled (its result or error belong to its step)."""
+        if self._filling is not None:
+            wait([self._filling])
+            self._filling = None
 
     def mask(self, seqs: list[tuple[int, NewSequence]]) -> TokenMask | None:
         """The bitmask of the batch sampling ``seqs`` (in row order), or None when none of

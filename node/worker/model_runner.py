@@ -261,6 +261,10 @@ class ModelRunner:
             max_seqlen_q=int(q_lens.max()),
             max_seqlen_k=max(seq_lens),
         )
+        # The grammars' mask is filled while the model runs.
+        mask_ahead = (
+            None if self.grammars is None or not sampled else self.grammars.mask_ahead(sampled)
+        )
         hidden = self.model(
             torch.from_numpy(np.concatenate(input_ids)).to(dev),
             torch.from_numpy(np.concatenate(positions)).to(dev),
@@ -280,7 +284,7 @@ class ModelRunner:
                 )
                 for seq_id, seq in sampled
             ]
-            mask = None if self.grammars is None else self.grammars.mask(sampled)
+            mask = None if mask_ahead is None else mask_ahead.result()
             for (seq_id, _), out in zip(sampled, sample(logits, rows, mask), strict=True):
                 self.last_samples[seq_id] = out.token_ids[0]
                 result.samples.append(

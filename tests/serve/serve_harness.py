@@ -43,7 +43,8 @@ class Server:
     def client(self, **kwargs: object) -> openai.OpenAI:
         kwargs.setdefault("api_key", self.api_key or "unused")
         kwargs.setdefault("max_retries", 0)
-        return openai.OpenAI(base_url=f"{self.url}/v1", timeout=120, **kwargs)
+        kwargs.setdefault("timeout", 120)
+        return openai.OpenAI(base_url=f"{self.url}/v1", **kwargs)
 
     def async_client(self, **kwargs: object) -> openai.AsyncOpenAI:
         kwargs.setdefault("api_key", self.api_key or "unused")

@@ -27,6 +27,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "64MiB",
         "--max-model-len",
         "1024",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
     )
     yield running
     running.stop()
@@ -86,6 +89,94 @@ def test_structured_output_follows_its_schema(server: Server) -> None:
     assert choice.finish_reason == "stop"
     place = json.loads(choice.message.content)
     jsonschema.validate(place, schema)
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "description": "The city's name"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {
+        "timezone": {"type": "string", "description": "An IANA time zone, e.g. Europe/Paris"}
+    },
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": WEATHER,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Get the current time in a time zone",
+            "parameters": TIME,
+        },
+    },
+]
+WEATHER_QUESTION = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+def _weather_call(server: Server) -> tuple[object, object]:
+    """SmolLM2 asked about the weather with tool_choice "required" (through its own chat
+    format, ChatML, with the built-in tool template listing the tools)."""
+    answer = server.client(timeout=600).chat.completions.create(
+        model="smollm2",
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_completion_tokens=64,
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    return choice.message, call
+
+
+def test_a_required_tool_call_names_the_right_function(server: Server) -> None:
+    _, call = _weather_call(server)
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER)
+    assert "paris" in arguments["city"].lower()
+
+
+def test_a_two_turn_tool_conversation(server: Server) -> None:
+    """Call, the tool's result, the answer: the second turn renders the assistant's call and
+    the tool message through the template, and the model answers from the result."""
+    message, call = _weather_call(server)
+    conversation = [
+        *WEATHER_QUESTION,
+        message.model_dump(exclude_none=True),
+        {
+            "role": "tool",
+            "tool_call_id": call.id,
+            "content": json.dumps({"city": "Paris", "temperature_c": 21, "sky": "sunny"}),
+        },
+    ]
+    answer = server.client(timeout=600).chat.completions.create(
+        model="smollm2",
+        messages=conversation,
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
+        max_completion_tokens=64,
+    )
+    choice = answer.choices[0]
+    assert choice.message.tool_calls is None
+    assert choice.finish_reason == "stop"
+    assert "21" in choice.message.content or "sunny" in choice.message.content.lower()
 
 
 def test_serve_asks_which_file_of_several(tmp_path: Path) -> None:

@@ -1,15 +1,18 @@
 """Tool calling through the real `pagedllm serve` (demo model, built-in Hermes-style tool
-template, hermes parser), driven by the official openai SDK."""
+template, hermes parser), driven by the official openai SDK; streams are put together by the
+SDK's own accumulator and must equal the whole answers."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import jsonschema
 import openai
 import pytest
 
+from tests.api.openai_stream import Accumulated, accumulate
 from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
 
 WEATHER = {
@@ -87,33 +90,89 @@ def test_required_always_calls_a_tool(server: Server) -> None:
         _check_calls(choice.message.tool_calls)
 
 
-def test_named_function_whole_and_streamed(server: Server) -> None:
+def _whole_and_streamed(server: Server, **args: object) -> tuple[Any, Accumulated]:
+    """The same request (seeded) answered whole and streamed, the stream put together by the
+    SDK's own accumulator."""
     client = server.client()
-    args = {
-        "model": DEMO_MODEL,
-        "messages": QUESTION,
-        "tools": TOOLS,
-        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
-        "max_completion_tokens": 200,
-        "seed": 2,
-    }
-    reply = client.chat.completions.create(**args)
-    (call,) = reply.choices[0].message.tool_calls
+    whole = client.chat.completions.create(model=DEMO_MODEL, messages=QUESTION, **args)
+    chunks = client.chat.completions.create(
+        model=DEMO_MODEL, messages=QUESTION, stream=True, **args
+    )
+    return whole, accumulate(chunks)
+
+
+def _check_streamed_like_whole(whole: Any, streamed: Accumulated) -> list:
+    """The streamed calls equal the whole reply's, each opened by one delta with its id,
+    type and name and then written in argument pieces."""
+    expected = whole.choices[0].message
+    got = streamed.completion.choices[0]
+    assert got.finish_reason == whole.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in expected.tool_calls
+    ]
+    opening = [d for d in streamed.call_deltas[0] if d.id is not None]
+    assert [d.index for d in opening] == list(range(len(expected.tool_calls)))
+    assert all(d.type == "function" and d.function.arguments == "" for d in opening)
+    # Incremental: the arguments of each call come in more than one piece.
+    for index, call in enumerate(expected.tool_calls):
+        pieces = streamed.argument_pieces[index]
+        assert "".join(pieces) == call.function.arguments
+        assert len(pieces) > 1, pieces
+    _check_calls(got.message.tool_calls)
+    return got.message.tool_calls
+
+
+def test_named_function_whole_and_streamed(server: Server) -> None:
+    whole, streamed = _whole_and_streamed(
+        server,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_completion_tokens=200,
+        seed=2,
+    )
+    (call,) = _check_streamed_like_whole(whole, streamed)
     assert call.function.name == "get_time"
-    assert reply.choices[0].finish_reason == "tool_calls"
-    _check_calls([call])
-    streamed: dict[int, dict] = {}
-    finish = None
-    for chunk in client.chat.completions.create(**args, stream=True):
-        for choice in chunk.choices:
-            for delta in choice.delta.tool_calls or []:
-                entry = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
-                entry["name"] += delta.function.name or ""
-                entry["arguments"] += delta.function.arguments or ""
-            finish = choice.finish_reason or finish
-    assert finish == "tool_calls"
-    assert [e["name"] for e in streamed.values()] == ["get_time"]
-    assert json.loads(streamed[0]["arguments"]) == json.loads(call.function.arguments)
+
+
+def test_required_streamed_parallel_calls(server: Server) -> None:
+    """Parallel calls stream one after another with increasing indexes."""
+    for seed in range(20):
+        whole, streamed = _whole_and_streamed(
+            server, tools=TOOLS, tool_choice="required", max_completion_tokens=400, seed=seed
+        )
+        calls = _check_streamed_like_whole(whole, streamed)
+        if len(calls) > 1:
+            return
+    pytest.fail("no seed in 20 gave parallel calls")
+
+
+# Makes the demo model (which knows nothing of tools) write text and then a Hermes call, so
+# that "auto" reads a real model output with the hermes parser.
+HERMES_REPLY = (
+    r'Let me see\.\n<tool_call>\n\{"name": "get_time", "arguments": '
+    r'\{"zone": "[A-Z]{3,6}"\}\}\n</tool_call>'
+)
+
+
+def test_auto_streams_content_then_calls(server: Server) -> None:
+    whole, streamed = _whole_and_streamed(
+        server,
+        tools=TOOLS,
+        max_completion_tokens=200,
+        seed=4,
+        extra_body={"structured_outputs": {"regex": HERMES_REPLY}},
+    )
+    (call,) = _check_streamed_like_whole(whole, streamed)
+    assert call.function.name == "get_time"
+    assert whole.choices[0].message.content == "Let me see."
+    assert streamed.completion.choices[0].message.content.startswith("Let me see.")
+
+
+def test_auto_without_a_call_streams_content(server: Server) -> None:
+    whole, streamed = _whole_and_streamed(server, tools=TOOLS, max_completion_tokens=16, seed=3)
+    assert whole.choices[0].message.tool_calls is None
+    assert streamed.completion.choices[0].message.content == whole.choices[0].message.content
+    assert streamed.completion.choices[0].finish_reason == whole.choices[0].finish_reason
 
 
 def test_auto_renders_the_tools_and_answers_in_either_shape(server: Server) -> None:

@@ -7,6 +7,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from partial_json_parser import Allow
+from partial_json_parser import loads as partial_loads
+
+# A partial value as far as it is known: strings may be cut short, while a number or a
+# literal (``1`` of ``12``, ``tr`` of ``true``) is left out until it is complete.
+PARTIAL_STRINGS = Allow.STR | Allow.OBJ | Allow.ARR
+# Only complete strings: a name is known once its closing quote is written.
+COMPLETE_STRINGS = Allow.OBJ | Allow.ARR
+
 
 @dataclass
 class ToolCall:
@@ -23,11 +32,31 @@ class ParsedOutput:
     calls: list[ToolCall] = field(default_factory=list)
 
 
+@dataclass
+class PartialCall:
+    """A call as far as a growing output shows it: its name once complete, and its arguments
+    object as far as it is written (None before it starts)."""
+
+    name: str | None
+    arguments: dict[str, Any] | None = None
+
+
+@dataclass
+class PartialOutput:
+    """A growing reply: the text that is surely content so far, and the calls begun."""
+
+    content: str
+    calls: list[PartialCall] = field(default_factory=list)
+
+
 class ToolParser(Protocol):
     name: str
 
     def parse(self, text: str) -> ParsedOutput:
         """The calls in ``text``; none (all of it content) when it holds no well-formed call."""
+
+    def parse_partial(self, text: str) -> PartialOutput:
+        """What the first part of a reply, ``text``, shows so far (for streaming)."""
 
 
 def call_from_object(value: Any, arguments_keys: tuple[str, ...] = ("arguments",)) -> ToolCall:
@@ -75,3 +104,52 @@ def calls_after(text: str, marker: str, read: Callable[[str], list[ToolCall]]) -
     if not calls:
         return ParsedOutput(text)
     return ParsedOutput(text[:start].strip() or None, calls)
+
+
+def partial_json(text: str, allow: Allow) -> Any:
+    """The value that the start of a JSON text, ``text``, shows so far; None if none."""
+    try:
+        return partial_loads(text, allow)
+    except (ValueError, RecursionError):
+        return None
+
+
+def partial_call(
+    named: Any, value: Any, arguments_keys: tuple[str, ...] = ("arguments",)
+) -> PartialCall:
+    """A call from the same partial ``{"name": ..., "arguments": {...}}`` read twice: ``named``
+    with complete strings only, ``value`` with cut strings too."""
+    if not isinstance(named, dict) or not isinstance(named.get("name"), str):
+        return PartialCall(None)
+    arguments = None
+    if isinstance(value, dict):
+        arguments = next((value[k] for k in arguments_keys if k in value), None)
+    return PartialCall(named["name"], arguments if isinstance(arguments, dict) else None)
+
+
+def partial_calls(text: str, arguments_keys: tuple[str, ...] = ("arguments",)) -> list[PartialCall]:
+    """The calls begun in the start of one JSON call object or list of them."""
+    named, value = partial_json(text, COMPLETE_STRINGS), partial_json(text, PARTIAL_STRINGS)
+    if isinstance(named, list) and isinstance(value, list):
+        return [partial_call(n, v, arguments_keys) for n, v in zip(named, value, strict=False)]
+    return [partial_call(named, value, arguments_keys)]
+
+
+def shown_content(text: str, marker: str) -> str:
+    """``text`` less any end of it that may be the start of ``marker`` (held back, since the
+    next piece may complete it)."""
+    for size in range(min(len(marker), len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return text[:-size]
+    return text
+
+
+def partial_after(
+    text: str, marker: str, read: Callable[[str], list[PartialCall]]
+) -> PartialOutput:
+    """``calls_after`` for a growing reply: the text before ``marker`` is content, ``read``
+    gets the rest."""
+    start = text.find(marker)
+    if start < 0:
+        return PartialOutput(shown_content(text, marker))
+    return PartialOutput(text[:start], read(text[start:]))

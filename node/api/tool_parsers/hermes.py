@@ -6,9 +6,20 @@ from __future__ import annotations
 import json
 import re
 
-from pagedllm.api.tool_parsers.base import ParsedOutput, ToolCall, call_from_object, calls_after
+from pagedllm.api.tool_parsers.base import (
+    ParsedOutput,
+    PartialCall,
+    PartialOutput,
+    ToolCall,
+    call_from_object,
+    calls_after,
+    partial_after,
+    partial_calls,
+    shown_content,
+)
 
 START = "<tool_call>"
+END = "</tool_call>"
 # The last call may lack its closing tag when the model stopped on its end token.
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -19,6 +30,15 @@ class HermesParser:
     def parse(self, text: str) -> ParsedOutput:
         return calls_after(text, START, _calls)
 
+    def parse_partial(self, text: str) -> PartialOutput:
+        return partial_after(text, START, _partial_calls)
+
 
 def _calls(text: str) -> list[ToolCall]:
     return [call_from_object(json.loads(body)) for body in _CALL.findall(text)]
+
+
+def _partial_calls(text: str) -> list[PartialCall]:
+    return [
+        call for body in _CALL.findall(text) for call in partial_calls(shown_content(body, END))
+    ]

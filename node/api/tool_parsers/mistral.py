@@ -6,11 +6,17 @@ from __future__ import annotations
 import json
 
 from pagedllm.api.tool_parsers.base import (
+    PARTIAL_STRINGS,
     ParsedOutput,
+    PartialCall,
+    PartialOutput,
     ToolCall,
     call_from_object,
     calls_after,
     json_values,
+    partial_after,
+    partial_calls,
+    partial_json,
 )
 
 START = "[TOOL_CALLS]"
@@ -22,6 +28,9 @@ class MistralParser:
 
     def parse(self, text: str) -> ParsedOutput:
         return calls_after(text, START, _calls)
+
+    def parse_partial(self, text: str) -> PartialOutput:
+        return partial_after(text, START, _partial_calls)
 
 
 def _calls(text: str) -> list[ToolCall]:
@@ -40,4 +49,17 @@ def _calls(text: str) -> list[ToolCall]:
             )
         else:
             raise ValueError("no calls after [TOOL_CALLS]")
+    return calls
+
+
+def _partial_calls(text: str) -> list[PartialCall]:
+    calls: list[PartialCall] = []
+    for part in text.split(START)[1:]:
+        part = part.strip()
+        if part.startswith("["):
+            calls += partial_calls(part)
+        elif ARGS in part:
+            name, arguments = part.split(ARGS, 1)
+            value = partial_json(arguments, PARTIAL_STRINGS)
+            calls.append(PartialCall(name.strip(), value if isinstance(value, dict) else None))
     return calls
