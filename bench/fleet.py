@@ -458,7 +458,10 @@ def plot(data: dict[str, Any], name: str) -> Path:
         ax.set_yscale("log")
         ax.set_title("TTFT, closed loop")
         ax.legend(fontsize=8)
-    if "overhead" in data:
+    if "overhead" not in data:
+        axes[2].set_axis_off()
+        axes[2].text(0.5, 0.5, "router cost (c): not in this run", ha="center", va="center")
+    else:
         ax = axes[2]
         summary = data["overhead"]["summary"]
         labels = [f"c={c}" for c in summary]
