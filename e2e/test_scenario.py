@@ -1,9 +1,10 @@
 """The user's whole journey, end to end, on the local cluster (local_cluster.py): apply the
 operator's manifests and a PagedLLM with kubectl, wait for it, use it through its Service (the
 prefix-aware routers in front of the serving pods) with the openai SDK, scale it, roll out a
-new engine setting while a client streams, kill a router under load, let it autoscale on queue
-depth, delete it. Every step prints its duration; a failure prints the objects, the operator's
-log and the pods' logs.
+new engine setting while a client streams, kill a router under load, outgrow the cluster's GPU
+nodes (pods wait for the cluster autoscaler stand-in's node) and shrink it again (a node
+drained under the PodDisruptionBudget), let it autoscale on queue depth, delete it. Every
+step prints its duration; a failure prints the objects, the operator's log and the pods' logs.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ import yaml
 
 from e2e.client_checks import MAX_TOKENS, KeepStreaming, Load, run_checks
 from e2e.client_checks import client as openai_client
+from e2e.cluster_autoscaler_standin import ClusterAutoscalerStandin, NodeGroup, Timers
 from e2e.deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
 from e2e.gitops_standin import GitOpsStandin
 from e2e.kubelet_standin import HOST_PORTS_ANNOTATION
-from e2e.local_cluster import NAMESPACE, REPO, LocalCluster, eventually
+from e2e.local_cluster import GPU_GROUP, NAMESPACE, REPO, LocalCluster, eventually
+from e2e.scheduler_standin import node_gpus
 from pagedllm.operator.autoscaler import parse_prometheus_value
 
 SCENARIO = REPO / "e2e" / "demo-pagedllm.yaml"
@@ -57,6 +60,10 @@ LONG_STREAM_TOKENS = 600
 # What the openai SDK does unless told otherwise: retry connection errors, timeouts, 429 and
 # 5xx answers twice, with back-off. Clients of a router that dies are assumed to keep it.
 SDK_DEFAULT_RETRIES = 2
+# The cluster autoscaler's node group: 2-GPU nodes (the cluster starts with 1-GPU ones), at
+# least one; a pod waits 5 s before a node is added, a node is spare 2 s before it goes.
+NODE_GROUP = NodeGroup(GPU_GROUP, gpus_per_node=2, min_nodes=1, max_nodes=3)
+NODE_TIMERS = Timers(scale_up_delay=5, scale_down_delay=2, eviction_retry=1)
 # Short prompts (under one KV block) that are cached nowhere: the router places each by a
 # hash of its tokens, which spreads distinct prompts over the pods.
 SPREAD_PROMPTS = 24
@@ -249,13 +256,20 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
     ):
         kill_a_router(cluster, base_url, steps)
 
-    # Argo CD or Flux re-applying the repository's manifest all through the autoscaling.
+    # Argo CD or Flux re-applying the repository's manifest all through the cluster's and the
+    # PagedLLM's autoscaling.
+    gitops_runs: list[GitOpsStandin] = []
+    with GitOpsStandin(cluster.server, NAMESPACE, repository_manifest(autoscaling=False)) as gitops:
+        gitops_runs.append(gitops)
+        finite_capacity(cluster, base_url, steps)
+
     with ExitStack() as during_autoscaling:
         with steps("autoscaling (min 0, max 3, waitingRequests): idle, it scales to zero"):
             patch_spec(cluster, {"autoscaling": AUTOSCALING})
             gitops = during_autoscaling.enter_context(
                 GitOpsStandin(cluster.server, NAMESPACE, repository_manifest())
             )
+            gitops_runs.append(gitops)
             eventually(lambda: scaled_to_zero(cluster), timeout=90, what="zero replicas")
             steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
 
@@ -289,13 +303,14 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
     with steps(
         "GitOps stand-in (server-side apply, own field manager, no spec.replicas) meanwhile"
     ):
-        stats = gitops.stats
-        steps.say(
-            f"   {stats.applies} applies, {stats.raced} alongside an autoscaler write; "
-            "PagedLLM and Deployment generations and replicas never moved by an apply"
-        )
-        assert not stats.problems, stats.problems
-        assert stats.applies - stats.raced >= 3, stats
+        for run in gitops_runs:
+            stats = run.stats
+            steps.say(
+                f"   {stats.applies} applies, {stats.raced} alongside a replicas write; "
+                "PagedLLM and Deployment generations and replicas never moved by an apply"
+            )
+            assert not stats.problems, stats.problems
+            assert stats.applies - stats.raced >= 3, stats
 
     with steps("kubectl delete pllm/demo: pods, routers and Services gone, no process left"):
         cluster.kubectl("delete", "pllm", NAME, "--timeout=60s")
@@ -326,14 +341,117 @@ def patch_spec(cluster: LocalCluster, spec: dict[str, Any]) -> None:
     cluster.kubectl("patch", "pllm", NAME, "--type=merge", "-p", json.dumps({"spec": spec}))
 
 
-def repository_manifest() -> dict[str, Any]:
+def repository_manifest(autoscaling: bool = True) -> dict[str, Any]:
     """The PagedLLM as a GitOps repository holds it by now: the scenario's manifest with the
-    engine setting and autoscaling the steps before added (the stand-in drops spec.replicas)."""
+    engine setting (and autoscaling) the steps before added (the stand-in drops
+    spec.replicas)."""
     manifest = yaml.safe_load(SCENARIO.read_text())
     manifest["metadata"]["namespace"] = NAMESPACE
     manifest["spec"]["engine"]["maxNumSeqs"] = ROLLOUT_MAX_NUM_SEQS
-    manifest["spec"]["autoscaling"] = AUTOSCALING
+    if autoscaling:
+        manifest["spec"]["autoscaling"] = AUTOSCALING
     return manifest
+
+
+def gpu_capacity(cluster: LocalCluster) -> int:
+    """GPUs of the schedulable GPU nodes, all together."""
+    return sum(
+        node_gpus(node)
+        for node in cluster.gpu_nodes()
+        if not (node.get("spec") or {}).get("unschedulable")
+    )
+
+
+def nodes_line(cluster: LocalCluster) -> str:
+    nodes = cluster.gpu_nodes()
+    return ", ".join(f"{n['metadata']['name']} ({node_gpus(n)} GPU)" for n in nodes)
+
+
+def finite_capacity(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
+    """The cluster autoscaler stand-in over GPU nodes: pods wait for capacity, nodes come, and
+    a spare node is drained through the Eviction API under the PodDisruptionBudget."""
+    autoscaler = cluster.start_cluster_autoscaler(NODE_GROUP, NODE_TIMERS)
+    with steps(
+        "cluster-autoscaler stand-in on; kubectl scale pllm/demo --replicas=1: "
+        "emptied GPU nodes removed, capacity for one pod left"
+    ):
+        cluster.kubectl("scale", f"pllm/{NAME}", "--replicas=1")
+        eventually(lambda: ready_with(cluster, 1), timeout=60, what="1 serving pod")
+        eventually(lambda: gpu_capacity(cluster) == 1, timeout=60, what="the spare GPU nodes to go")
+        steps.say(f"   GPU nodes: {nodes_line(cluster)}; removed {autoscaler.stats.removed}")
+
+    with steps(
+        "with capacity for one pod only, kubectl scale --replicas=3: two pods "
+        "Pending/Unschedulable, Progressing/WaitingForCapacity (not Degraded), a node "
+        "added, all 3 Ready"
+    ):
+        cluster.kubectl("scale", f"pllm/{NAME}", "--replicas=3")
+
+        def waiting() -> tuple[list[str], dict[str, Any]] | None:
+            messages = [
+                c["message"]
+                for p in pods(cluster)
+                for c in p["status"].get("conditions") or []
+                if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
+            ]
+            progressing = condition(pagedllm(cluster), "Progressing")
+            if len(messages) == 2 and progressing.get("reason") == "WaitingForCapacity":
+                return messages, progressing
+            return None
+
+        messages, progressing = eventually(
+            waiting, timeout=NODE_TIMERS.scale_up_delay + 20, what="two pods waiting"
+        )
+        assert all("Insufficient nvidia.com/gpu" in m for m in messages), messages
+        assert progressing["message"].startswith("2 pods wait"), progressing
+        assert condition(pagedllm(cluster), "Degraded").get("status") == "False"
+        steps.say(f"   pods: {messages[0]}")
+        steps.say(f"   Progressing/WaitingForCapacity: {progressing['message']}")
+        eventually(lambda: autoscaler.stats.added, timeout=30, what="a node to be added")
+        eventually(lambda: ready_with(cluster, 3), timeout=150, what="3 serving pods")
+        eventually(lambda: routers_follow_the_pods(cluster), timeout=30, what="routers' backends")
+        steps.say(f"   added {autoscaler.stats.added}; GPU nodes: {nodes_line(cluster)}")
+
+    with steps(
+        "kubectl scale --replicas=2 while clients stream: the spare node drained one pod at a "
+        "time through the Eviction API under the PDB, then removed; no stream fails"
+    ):
+        drain_the_spare_node(cluster, base_url, autoscaler, steps)
+
+
+def drain_the_spare_node(
+    cluster: LocalCluster, base_url: str, autoscaler: ClusterAutoscalerStandin, steps: Steps
+) -> None:
+    """Down to two replicas, the first node's pod fits beside the other one: the autoscaler
+    stand-in cordons that node and evicts its pod (the budget allows one disruption), the
+    replacement starts on the other node, and the pod drained its streams before it went."""
+    fewest_ready = [len(serving_pods(cluster))]
+
+    def drained() -> bool:
+        fewest_ready[0] = min(fewest_ready[0], len(serving_pods(cluster)))
+        return bool(autoscaler.stats.drained) and ready_with(cluster, 2) is not None
+
+    with (
+        KeepStreaming(base_url, MODEL) as short,
+        KeepStreaming(base_url, MODEL, max_tokens=LONG_STREAM_TOKENS, ignore_eos=True) as long,
+    ):
+        time.sleep(1)  # streaming before the scale-down
+        cluster.kubectl("scale", f"pllm/{NAME}", "--replicas=2")
+        eventually(drained, timeout=150, what="a node to be drained and removed", interval=0.5)
+        eventually(lambda: routers_follow_the_pods(cluster), timeout=30, what="routers' backends")
+        time.sleep(1)  # and streaming on the replacement
+    stats = autoscaler.stats
+    steps.say(
+        f"   drained {stats.drained}: evicted {stats.evicted}, {stats.refused} evictions "
+        f"refused by the PDB and retried; fewest ready serving pods meanwhile: "
+        f"{fewest_ready[0]}; GPU nodes: {nodes_line(cluster)}"
+    )
+    assert stats.evicted and fewest_ready[0] >= 1, stats
+    for kind, streamed in (("short", short.stats), ("long", long.stats)):
+        failed = streamed.failures + streamed.cut
+        steps.say(f"   {streamed.requests} {kind} streams during the drain, {len(failed)} failed")
+        assert not failed, f"{kind} streams failed during the drain: {failed}"
+        assert streamed.requests > 0
 
 
 def scaled_to_zero(cluster: LocalCluster) -> dict[str, Any] | None:
