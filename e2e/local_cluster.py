@@ -1,8 +1,9 @@
 """The scenario's cluster on one machine, without Docker: the API emulator as its own process,
-the Deployment controller, kubelet, Service and EndpointSlice controller stand-ins in a
-thread, the real operator as a local process started the way manifests/operator.yaml starts it
-(its command, args and env, with short timers), and the real kubectl through a kubeconfig
-pointing at the emulator.
+the Deployment controller, scheduler, kubelet, Service and EndpointSlice controller stand-ins
+(and, once the scenario starts it, the cluster autoscaler stand-in) in a thread, over a system
+node and a few GPU nodes (ClusterShape), the real operator as a local process started the way
+manifests/operator.yaml starts it (its command, args and env, with short timers), and the real
+kubectl through a kubeconfig pointing at the emulator.
 
 Everything it starts runs in a process group of its own; `stop` ends them all, and
 `live_processes` tells whether anything it started is still alive.
@@ -73,9 +74,10 @@ SLOT_RULE = SlotRule(labels={"app.kubernetes.io/name": "pagedllm"})
 @dataclass(frozen=True)
 class ClusterShape:
     """The GPU nodes the cluster starts with: enough for the scenario's first steps (three
-    replicas and a rolling update's surge pod), one GPU each."""
+    replicas, a rolling update's surge pod, and old pods still draining, which hold their
+    GPUs until they are gone), one GPU each."""
 
-    gpu_nodes: int = 4
+    gpu_nodes: int = 6
     gpus_per_node: int = 1
 
 

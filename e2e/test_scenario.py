@@ -184,7 +184,8 @@ def test_user_journey(capsys: pytest.CaptureFixture[str]) -> None:
 
 def journey(cluster: LocalCluster, steps: Steps) -> None:
     with steps(
-        "start the API emulator and the kubelet, Deployment, Service, EndpointSlice stand-ins"
+        "start the API emulator and the scheduler, kubelet, Deployment, Service, "
+        "EndpointSlice stand-ins"
     ):
         cluster.start_api_server()
 
@@ -394,17 +395,22 @@ def finite_capacity(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
                 for c in p["status"].get("conditions") or []
                 if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
             ]
-            progressing = condition(pagedllm(cluster), "Progressing")
-            if len(messages) == 2 and progressing.get("reason") == "WaitingForCapacity":
+            body = pagedllm(cluster)
+            progressing = condition(body, "Progressing")
+            if (
+                len(messages) == 2
+                and progressing.get("reason") == "WaitingForCapacity"
+                and progressing["message"].startswith("2 pods wait")
+                and condition(body, "Degraded").get("status") == "False"
+            ):
                 return messages, progressing
             return None
 
+        # Before the autoscaler's delay is over (then a node comes and they are scheduled).
         messages, progressing = eventually(
             waiting, timeout=NODE_TIMERS.scale_up_delay + 20, what="two pods waiting"
         )
         assert all("Insufficient nvidia.com/gpu" in m for m in messages), messages
-        assert progressing["message"].startswith("2 pods wait"), progressing
-        assert condition(pagedllm(cluster), "Degraded").get("status") == "False"
         steps.say(f"   pods: {messages[0]}")
         steps.say(f"   Progressing/WaitingForCapacity: {progressing['message']}")
         eventually(lambda: autoscaler.stats.added, timeout=30, what="a node to be added")
