@@ -162,6 +162,7 @@ class ClusterAutoscalerStandin:
         self.drain: Drain | None = None
         self._waiting_since: dict[str, float] = {}
         self._unneeded_since: dict[str, float] = {}
+        self._next_index = 0
 
     async def tick(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -196,12 +197,12 @@ class ClusterAutoscalerStandin:
             return False
         count = nodes_to_add(waiting, nodes, pods, self.group, self.rule)
         taken = {n["metadata"]["name"] for n in nodes}
-        index = 0
         for _ in range(count):
-            while f"{self.group.name}-{index}" in taken:
-                index += 1
-            name = f"{self.group.name}-{index}"
-            taken.add(name)
+            # A new name each time, as a cloud's instances get: never one a removed node had.
+            while f"{self.group.name}-{self._next_index}" in taken:
+                self._next_index += 1
+            name = f"{self.group.name}-{self._next_index}"
+            self._next_index += 1
             node, status = node_manifest(name, self.group.gpus_per_node, self.group.name)
             (await self.http.post(NODES, json=node)).raise_for_status()
             (

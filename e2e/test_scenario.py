@@ -61,9 +61,10 @@ LONG_STREAM_TOKENS = 600
 # 5xx answers twice, with back-off. Clients of a router that dies are assumed to keep it.
 SDK_DEFAULT_RETRIES = 2
 # The cluster autoscaler's node group: 2-GPU nodes (the cluster starts with 1-GPU ones), at
-# least one; a pod waits 5 s before a node is added, a node is spare 2 s before it goes.
+# least one; a pod waits 4 s before a node is added (long enough to see it wait), a node is
+# spare 2 s before it goes.
 NODE_GROUP = NodeGroup(GPU_GROUP, gpus_per_node=2, min_nodes=1, max_nodes=3)
-NODE_TIMERS = Timers(scale_up_delay=5, scale_down_delay=2, eviction_retry=1)
+NODE_TIMERS = Timers(scale_up_delay=4, scale_down_delay=2, eviction_retry=1)
 # Short prompts (under one KV block) that are cached nowhere: the router places each by a
 # hash of its tokens, which spreads distinct prompts over the pods.
 SPREAD_PROMPTS = 24
@@ -264,42 +265,7 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         gitops_runs.append(gitops)
         finite_capacity(cluster, base_url, steps)
 
-    with ExitStack() as during_autoscaling:
-        with steps("autoscaling (min 0, max 3, waitingRequests): idle, it scales to zero"):
-            patch_spec(cluster, {"autoscaling": AUTOSCALING})
-            gitops = during_autoscaling.enter_context(
-                GitOpsStandin(cluster.server, NAMESPACE, repository_manifest())
-            )
-            gitops_runs.append(gitops)
-            eventually(lambda: scaled_to_zero(cluster), timeout=90, what="zero replicas")
-            steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
-
-        with steps(
-            "at zero, a stream through the Service is held by a router, a pod starts, it completes"
-        ):
-            held_stream_wakes_it(cluster, base_url, steps)
-
-        with steps(
-            f"a load generator ({LOAD_CLIENTS} streaming clients) raises queue depth: replicas grow"
-        ):
-            with Load(base_url, MODEL, LOAD_CLIENTS) as load:
-                eventually(
-                    lambda: pagedllm(cluster)["spec"]["replicas"] > 1,
-                    timeout=60,
-                    what="the autoscaler to scale up",
-                )
-                steps.say(f"   {latest_event(cluster, 'ScaledUp')}")
-                grown = eventually(
-                    lambda: scaled_up_and_serving(cluster),
-                    timeout=150,
-                    what="the added replicas to serve",
-                )
-                steps.say(f"   {grown} replicas serve")
-            assert load.stats.requests > 0
-
-        with steps("load stops: back to zero after scaleDownDelaySeconds"):
-            eventually(lambda: scaled_to_zero(cluster), timeout=120, what="back to zero")
-            steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
+    gitops_runs.append(operator_autoscaling(cluster, base_url, steps))
 
     with steps(
         "GitOps stand-in (server-side apply, own field manager, no spec.replicas) meanwhile"
@@ -335,6 +301,47 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         eventually(
             lambda: not cluster.pod_processes(), timeout=30, what="every pod process to exit"
         )
+
+
+def operator_autoscaling(cluster: LocalCluster, base_url: str, steps: Steps) -> GitOpsStandin:
+    """The built-in autoscaler from zero to three and back, with the GitOps stand-in
+    re-applying the manifest all along (returned, for its findings)."""
+    with ExitStack() as during_autoscaling:
+        with steps("autoscaling (min 0, max 3, waitingRequests): idle, it scales to zero"):
+            patch_spec(cluster, {"autoscaling": AUTOSCALING})
+            gitops = during_autoscaling.enter_context(
+                GitOpsStandin(cluster.server, NAMESPACE, repository_manifest())
+            )
+            eventually(lambda: scaled_to_zero(cluster), timeout=90, what="zero replicas")
+            steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
+
+        with steps(
+            "at zero, a stream through the Service is held by a router, a pod starts, it completes"
+        ):
+            held_stream_wakes_it(cluster, base_url, steps)
+
+        with steps(
+            f"a load generator ({LOAD_CLIENTS} streaming clients) raises queue depth: replicas grow"
+        ):
+            with Load(base_url, MODEL, LOAD_CLIENTS) as load:
+                eventually(
+                    lambda: pagedllm(cluster)["spec"]["replicas"] > 1,
+                    timeout=60,
+                    what="the autoscaler to scale up",
+                )
+                steps.say(f"   {latest_event(cluster, 'ScaledUp')}")
+                grown = eventually(
+                    lambda: scaled_up_and_serving(cluster),
+                    timeout=150,
+                    what="the added replicas to serve",
+                )
+                steps.say(f"   {grown} replicas serve")
+            assert load.stats.requests > 0
+
+        with steps("load stops: back to zero after scaleDownDelaySeconds"):
+            eventually(lambda: scaled_to_zero(cluster), timeout=120, what="back to zero")
+            steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
+    return gitops
 
 
 def patch_spec(cluster: LocalCluster, spec: dict[str, Any]) -> None:
@@ -419,8 +426,8 @@ def finite_capacity(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
         steps.say(f"   added {autoscaler.stats.added}; GPU nodes: {nodes_line(cluster)}")
 
     with steps(
-        "kubectl scale --replicas=2 while clients stream: the spare node drained one pod at a "
-        "time through the Eviction API under the PDB, then removed; no stream fails"
+        "kubectl scale --replicas=2 while clients stream: the spare node drained through the "
+        "Eviction API under the PDB, then removed; no stream fails"
     ):
         drain_the_spare_node(cluster, base_url, autoscaler, steps)
 
