@@ -196,7 +196,7 @@ class ClusterAutoscalerStandin:
         if not due:
             return False
         count = nodes_to_add(waiting, nodes, pods, self.group, self.rule)
-        taken = {n["metadata"]["name"] for n in nodes}
+        taken = {n["metadata"]["name"] for n in nodes} | set(self.stats.removed)
         for _ in range(count):
             # A new name each time, as a cloud's instances get: never one a removed node had.
             while f"{self.group.name}-{self._next_index}" in taken:
