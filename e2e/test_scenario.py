@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from e2e.client_checks import MAX_TOKENS, KeepStreaming, Load, run_checks
+from e2e.client_checks import MAX_TOKENS, KeepStreaming, Load, StreamStats, run_checks
 from e2e.client_checks import client as openai_client
 from e2e.cluster_autoscaler_standin import ClusterAutoscalerStandin, NodeGroup, Timers
 from e2e.deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
@@ -408,14 +408,19 @@ def finite_capacity(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
         ):
             drain_the_small_node(cluster, autoscaler, steps)
             streaming.close()
-            for kind, streamed in (("short", short.stats), ("long", long.stats)):
-                failed = streamed.failures + streamed.cut
-                steps.say(
-                    f"   {streamed.requests} {kind} streams through both steps, "
-                    f"{len(failed)} failed"
-                )
-                assert not failed, f"{kind} streams failed: {failed}"
-                assert streamed.requests > 0
+            none_failed(steps, "through both steps", short.stats, long.stats)
+
+
+def none_failed(steps: Steps, when: str, short: StreamStats, long: StreamStats) -> None:
+    """The short and long streams of KeepStreaming clients all ended with a finish_reason."""
+    for kind, stats in (("short", short), ("long", long)):
+        failed = stats.failures + stats.cut
+        steps.say(
+            f"   {stats.requests} {kind} streams {when} ({stats.tokens} tokens), "
+            f"{len(failed)} failed"
+        )
+        assert not failed, f"{kind} streams failed {when}: {failed}"
+        assert stats.requests > 0
 
 
 def outgrow_the_nodes(
@@ -681,14 +686,7 @@ def rolling_update(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
         eventually(rolled_out, timeout=240, what="the rollout to finish", interval=0.5)
         cluster.kubectl("rollout", "status", f"deployment/{NAME}", "--timeout=10s")
         time.sleep(1)  # and streaming on the new pods
-    for kind, stats in (("short", short.stats), ("long", long.stats)):
-        failed = stats.failures + stats.cut
-        steps.say(
-            f"   {stats.requests} {kind} streams during the rollout "
-            f"({stats.tokens} tokens), {len(failed)} failed"
-        )
-        assert not failed, f"{kind} streams failed during the rollout: {failed}"
-        assert stats.requests > 0
+    none_failed(steps, "during the rollout", short.stats, long.stats)
     steps.say(f"   Progressing reasons seen: {reasons}")
     assert "RollingUpdate" in reasons
     new_hashes = {p["metadata"]["labels"][POD_TEMPLATE_HASH] for p in pods(cluster)}
