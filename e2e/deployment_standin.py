@@ -405,6 +405,6 @@ class DeploymentStandin:
                     }
                 ],
             },
-            "spec": {**template["spec"], "nodeName": "local"},
+            "spec": dict(template["spec"]),
         }
         await self.kube.create(pod)

@@ -1,5 +1,7 @@
 """A stand-in for the kubelet (test infrastructure): runs the pods of one namespace as local
-processes and reports them as Pod status, the way the real kubelet runs containers.
+processes and reports them as Pod status, the way the real kubelet runs containers. It stands
+in for every node's kubelet at once: a pod runs once it is bound to a node (spec.nodeName, see
+scheduler_standin.py); an unbound pod that is deleted just goes.
 
 - Each container runs the command and args of the pod spec with the pod spec's env, looked up
   on PATH with the given directories first (the project's virtual environment, where the
@@ -714,6 +716,8 @@ class KubeletStandin:
                     self._stop(local.terminate(float(grace)))
                 continue
             if local is None:
+                if not pod["spec"].get("nodeName"):
+                    continue  # not scheduled yet (see scheduler_standin)
                 local = self.pods[uid] = LocalPod(self, pod)
                 local.task = asyncio.get_running_loop().create_task(local.run())
         for uid, local in self.pods.items():

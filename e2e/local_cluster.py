@@ -1,8 +1,9 @@
 """The scenario's cluster on one machine, without Docker: the API emulator as its own process,
-the Deployment controller, kubelet, Service and EndpointSlice controller stand-ins in a
-thread, the real operator as a local process started the way manifests/operator.yaml starts it
-(its command, args and env, with short timers), and the real kubectl through a kubeconfig
-pointing at the emulator.
+the Deployment controller, scheduler, kubelet, Service and EndpointSlice controller stand-ins
+(and, once the scenario starts it, the cluster autoscaler stand-in) in a thread, over a system
+node and a few GPU nodes (ClusterShape), the real operator as a local process started the way
+manifests/operator.yaml starts it (its command, args and env, with short timers), and the real
+kubectl through a kubeconfig pointing at the emulator.
 
 Everything it starts runs in a process group of its own; `stop` ends them all, and
 `live_processes` tells whether anything it started is still alive.
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +29,18 @@ import httpx
 import kopf
 import yaml
 
+from e2e.cluster_autoscaler_standin import ClusterAutoscalerStandin, NodeGroup, Timers
 from e2e.deployment_standin import DeploymentStandin
 from e2e.endpointslice_standin import EndpointSliceStandin
 from e2e.kubelet_standin import LOOPBACK, KubeletStandin, free_port, process_group_members
 from e2e.polling import eventually
+from e2e.scheduler_standin import (
+    NODE_GROUP_LABEL,
+    NODES,
+    SchedulerStandin,
+    SlotRule,
+    node_manifest,
+)
 from e2e.service_proxy import ServiceProxies
 from pagedllm.kernels import cpu_extension
 from pagedllm.operator.kube import KubeClient, now_rfc3339
@@ -53,6 +63,22 @@ STANDIN_INTERVAL = 0.25
 NAMESPACE = "default"
 # How the stand-ins name themselves to the API server (User-Agent, Events).
 STANDINS_AGENT = "pagedllm-e2e-standins"
+# The nodes: one without GPUs (routers and other CPU pods), and GPU nodes of the node group
+# the cluster autoscaler stand-in manages, where the serving pods go; the CPU demo's serving
+# pods stand in for pods asking for one GPU each (see scheduler_standin).
+SYSTEM_NODE = "system-0"
+GPU_GROUP = "gpu"
+SLOT_RULE = SlotRule(labels={"app.kubernetes.io/name": "pagedllm"})
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """The GPU nodes the cluster starts with: enough for the scenario's first steps (three
+    replicas, a rolling update's surge pod, and old pods still draining, which hold their
+    GPUs until they are gone), one GPU each."""
+
+    gpu_nodes: int = 6
+    gpus_per_node: int = 1
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -64,14 +90,20 @@ def _tail(path: Path, lines: int) -> str:
 class Standins:
     """The controllers and the node a cluster would have, on an event loop in a thread."""
 
-    def __init__(self, server: str, namespace: str, root: Path, kubeconfig: Path):
+    def __init__(
+        self, server: str, namespace: str, root: Path, kubeconfig: Path, shape: ClusterShape
+    ):
         self.server, self.namespace, self.root = server, namespace, root
         self.kubeconfig = kubeconfig
+        self.shape = shape
         self.log_path = root / "standins.log"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="standins", daemon=True)
         self.kubelet: KubeletStandin | None = None
         self.proxies: ServiceProxies | None = None
+        self.http: httpx.AsyncClient | None = None
+        # Switched on by the scenario (start_cluster_autoscaler), then ticked with the others.
+        self.autoscaler: ClusterAutoscalerStandin | None = None
         self._stop = threading.Event()
         self._done: concurrent.futures.Future[None] | None = None
 
@@ -88,13 +120,20 @@ class Standins:
         )
         self.proxies = ServiceProxies(kube, self.namespace)
         slices = EndpointSliceStandin(kube, self.namespace)
+        self.http = httpx.AsyncClient(base_url=self.server, timeout=10, trust_env=False)
+        scheduler = SchedulerStandin(self.http, self.namespace, SLOT_RULE)
+        await self._add_node(SYSTEM_NODE, 0)
+        for index in range(self.shape.gpu_nodes):
+            await self._add_node(f"{GPU_GROUP}-{index}", self.shape.gpus_per_node, GPU_GROUP)
         try:
             while not self._stop.is_set():
                 for sync in (
                     lambda: deployments.sync(now_rfc3339()),
+                    scheduler.sync,
                     self.kubelet.sync,
                     self.proxies.sync,
                     slices.sync,
+                    self._autoscale,
                 ):
                     try:
                         await sync()
@@ -105,7 +144,33 @@ class Standins:
         finally:
             await self.kubelet.shutdown()
             await self.proxies.close()
+            await self.http.aclose()
             await kube.close()
+
+    async def _add_node(self, name: str, gpus: int, group: str | None = None) -> None:
+        assert self.http is not None
+        node, status = node_manifest(name, gpus, group)
+        (await self.http.post(NODES, json=node)).raise_for_status()
+        (
+            await self.http.patch(
+                f"{NODES}/{name}/status",
+                json=status,
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+        ).raise_for_status()
+
+    async def _autoscale(self) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.tick()
+
+    def start_cluster_autoscaler(
+        self, group: NodeGroup, timers: Timers
+    ) -> ClusterAutoscalerStandin:
+        assert self.http is not None, "the stand-ins are not running"
+        self.autoscaler = ClusterAutoscalerStandin(
+            self.http, self.namespace, group, timers, SLOT_RULE
+        )
+        return self.autoscaler
 
     def service_url(self, name: str, port: str = "http") -> str | None:
         return self.proxies.url(name, port) if self.proxies is not None else None
@@ -153,8 +218,9 @@ class LocalProcess:
 
 
 class LocalCluster:
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, shape: ClusterShape | None = None):
         self.workdir = workdir
+        self.shape = shape or ClusterShape()
         self.kubeconfig = workdir / "kubeconfig"
         self.api_server: LocalProcess | None = None
         self.operator: LocalProcess | None = None
@@ -189,8 +255,13 @@ class LocalCluster:
         self.server = config["clusters"][0]["cluster"]["server"]
         # The image's build step: its CPU kernels, compiled once, read by every pod.
         assert cpu_extension.load(), "the CPU kernels did not build"
-        self.standins = Standins(self.server, NAMESPACE, self.workdir, self.kubeconfig)
+        self.standins = Standins(self.server, NAMESPACE, self.workdir, self.kubeconfig, self.shape)
         self.standins.start()
+        eventually(
+            lambda: len(self.list(NODES)) == 1 + self.shape.gpu_nodes,
+            timeout=30,
+            what="the nodes to register",
+        )
 
     def start_operator(self) -> None:
         """The operator Deployment's container, run here: same command, args and env, with
@@ -289,6 +360,16 @@ class LocalCluster:
             what=f"Service {name}'s stand-in listener",
         )
 
+    def start_cluster_autoscaler(
+        self, group: NodeGroup, timers: Timers
+    ) -> ClusterAutoscalerStandin:
+        """The cluster autoscaler stand-in, on from now on, over the GPU node group."""
+        assert self.standins is not None
+        return self.standins.start_cluster_autoscaler(group, timers)
+
+    def gpu_nodes(self) -> list[dict[str, Any]]:
+        return self.list(NODES, f"{NODE_GROUP_LABEL}={GPU_GROUP}")
+
     def crash_pod(self, name: str) -> list[int]:
         """SIGKILL the pod's processes (see KubeletStandin.crash)."""
         assert self.standins is not None and self.standins.kubelet is not None
@@ -324,7 +405,7 @@ class LocalCluster:
         sections = []
         if self.api_server is not None and not self._exited(self.api_server):
             for args in (
-                ["get", "pllm,deploy,rs,pod,svc,pdb", "-o", "wide"],
+                ["get", "nodes,pllm,deploy,rs,pod,svc,pdb", "-o", "wide"],
                 ["get", "pllm", "-o", "yaml"],
                 [
                     "get",

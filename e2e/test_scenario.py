@@ -1,9 +1,10 @@
 """The user's whole journey, end to end, on the local cluster (local_cluster.py): apply the
 operator's manifests and a PagedLLM with kubectl, wait for it, use it through its Service (the
 prefix-aware routers in front of the serving pods) with the openai SDK, scale it, roll out a
-new engine setting while a client streams, kill a router under load, let it autoscale on queue
-depth, delete it. Every step prints its duration; a failure prints the objects, the operator's
-log and the pods' logs.
+new engine setting while a client streams, kill a router under load, outgrow the cluster's GPU
+nodes (pods wait for the cluster autoscaler stand-in's node) and shrink them again (a node
+drained under the PodDisruptionBudget), let it autoscale on queue depth, delete it. Every
+step prints its duration; a failure prints the objects, the operator's log and the pods' logs.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import httpx
 import pytest
 import yaml
 
-from e2e.client_checks import MAX_TOKENS, KeepStreaming, Load, run_checks
+from e2e.client_checks import MAX_TOKENS, KeepStreaming, Load, StreamStats, run_checks
 from e2e.client_checks import client as openai_client
+from e2e.cluster_autoscaler_standin import ClusterAutoscalerStandin, NodeGroup, Timers
 from e2e.deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
 from e2e.gitops_standin import GitOpsStandin
 from e2e.kubelet_standin import HOST_PORTS_ANNOTATION
-from e2e.local_cluster import NAMESPACE, REPO, LocalCluster, eventually
+from e2e.local_cluster import GPU_GROUP, NAMESPACE, REPO, LocalCluster, eventually
+from e2e.scheduler_standin import node_gpus
 from pagedllm.operator.autoscaler import parse_prometheus_value
 
 SCENARIO = REPO / "e2e" / "demo-pagedllm.yaml"
@@ -57,6 +60,11 @@ LONG_STREAM_TOKENS = 600
 # What the openai SDK does unless told otherwise: retry connection errors, timeouts, 429 and
 # 5xx answers twice, with back-off. Clients of a router that dies are assumed to keep it.
 SDK_DEFAULT_RETRIES = 2
+# The cluster autoscaler's node group: 3-GPU nodes (the cluster starts with 1-GPU ones), at
+# least one; a pod waits 4 s before a node is added (long enough to see it wait), a node is
+# spare 2 s before it goes.
+NODE_GROUP = NodeGroup(GPU_GROUP, gpus_per_node=3, min_nodes=1, max_nodes=3)
+NODE_TIMERS = Timers(scale_up_delay=4, scale_down_delay=2, eviction_retry=1)
 # Short prompts (under one KV block) that are cached nowhere: the router places each by a
 # hash of its tokens, which spreads distinct prompts over the pods.
 SPREAD_PROMPTS = 24
@@ -177,7 +185,8 @@ def test_user_journey(capsys: pytest.CaptureFixture[str]) -> None:
 
 def journey(cluster: LocalCluster, steps: Steps) -> None:
     with steps(
-        "start the API emulator and the kubelet, Deployment, Service, EndpointSlice stand-ins"
+        "start the API emulator and the scheduler, kubelet, Deployment, Service, "
+        "EndpointSlice stand-ins"
     ):
         cluster.start_api_server()
 
@@ -249,7 +258,54 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
     ):
         kill_a_router(cluster, base_url, steps)
 
-    # Argo CD or Flux re-applying the repository's manifest all through the autoscaling.
+    # Argo CD or Flux re-applying the repository's manifest all through the cluster's and the
+    # PagedLLM's autoscaling.
+    gitops_runs: list[GitOpsStandin] = []
+    with GitOpsStandin(cluster.server, NAMESPACE, repository_manifest(autoscaling=False)) as gitops:
+        gitops_runs.append(gitops)
+        finite_capacity(cluster, base_url, steps)
+
+    gitops_runs.append(operator_autoscaling(cluster, base_url, steps))
+
+    with steps(
+        "GitOps stand-in (server-side apply, own field manager, no spec.replicas) meanwhile"
+    ):
+        for run in gitops_runs:
+            stats = run.stats
+            steps.say(
+                f"   {stats.applies} applies, {stats.raced} alongside a replicas write; "
+                "PagedLLM and Deployment generations and replicas never moved by an apply"
+            )
+            assert not stats.problems, stats.problems
+            assert stats.applies - stats.raced >= 3, stats
+
+    with steps("kubectl delete pllm/demo: pods, routers and Services gone, no process left"):
+        cluster.kubectl("delete", "pllm", NAME, "--timeout=60s")
+        cluster.kubectl(
+            "wait", "--for=delete", "pod", "-l", INSTANCE_SELECTOR, "--timeout=120s", timeout=140
+        )
+        # The garbage collector also removes what a reconcile in flight created just after.
+        eventually(
+            lambda: (
+                "No resources found"
+                in cluster.kubectl(
+                    "get",
+                    "deploy,rs,svc,pdb,pods,sa,role,rolebinding",
+                    "-l",
+                    INSTANCE_SELECTOR,
+                )
+            ),
+            timeout=30,
+            what="the PagedLLM's children to be gone",
+        )
+        eventually(
+            lambda: not cluster.pod_processes(), timeout=30, what="every pod process to exit"
+        )
+
+
+def operator_autoscaling(cluster: LocalCluster, base_url: str, steps: Steps) -> GitOpsStandin:
+    """The built-in autoscaler from zero to three and back, with the GitOps stand-in
+    re-applying the manifest all along (returned, for its findings)."""
     with ExitStack() as during_autoscaling:
         with steps("autoscaling (min 0, max 3, waitingRequests): idle, it scales to zero"):
             patch_spec(cluster, {"autoscaling": AUTOSCALING})
@@ -285,40 +341,7 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         with steps("load stops: back to zero after scaleDownDelaySeconds"):
             eventually(lambda: scaled_to_zero(cluster), timeout=120, what="back to zero")
             steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
-
-    with steps(
-        "GitOps stand-in (server-side apply, own field manager, no spec.replicas) meanwhile"
-    ):
-        stats = gitops.stats
-        steps.say(
-            f"   {stats.applies} applies, {stats.raced} alongside an autoscaler write; "
-            "PagedLLM and Deployment generations and replicas never moved by an apply"
-        )
-        assert not stats.problems, stats.problems
-        assert stats.applies - stats.raced >= 3, stats
-
-    with steps("kubectl delete pllm/demo: pods, routers and Services gone, no process left"):
-        cluster.kubectl("delete", "pllm", NAME, "--timeout=60s")
-        cluster.kubectl(
-            "wait", "--for=delete", "pod", "-l", INSTANCE_SELECTOR, "--timeout=120s", timeout=140
-        )
-        # The garbage collector also removes what a reconcile in flight created just after.
-        eventually(
-            lambda: (
-                "No resources found"
-                in cluster.kubectl(
-                    "get",
-                    "deploy,rs,svc,pdb,pods,sa,role,rolebinding",
-                    "-l",
-                    INSTANCE_SELECTOR,
-                )
-            ),
-            timeout=30,
-            what="the PagedLLM's children to be gone",
-        )
-        eventually(
-            lambda: not cluster.pod_processes(), timeout=30, what="every pod process to exit"
-        )
+    return gitops
 
 
 def patch_spec(cluster: LocalCluster, spec: dict[str, Any]) -> None:
@@ -326,14 +349,139 @@ def patch_spec(cluster: LocalCluster, spec: dict[str, Any]) -> None:
     cluster.kubectl("patch", "pllm", NAME, "--type=merge", "-p", json.dumps({"spec": spec}))
 
 
-def repository_manifest() -> dict[str, Any]:
+def repository_manifest(autoscaling: bool = True) -> dict[str, Any]:
     """The PagedLLM as a GitOps repository holds it by now: the scenario's manifest with the
-    engine setting and autoscaling the steps before added (the stand-in drops spec.replicas)."""
+    engine setting (and autoscaling) the steps before added (the stand-in drops
+    spec.replicas)."""
     manifest = yaml.safe_load(SCENARIO.read_text())
     manifest["metadata"]["namespace"] = NAMESPACE
     manifest["spec"]["engine"]["maxNumSeqs"] = ROLLOUT_MAX_NUM_SEQS
-    manifest["spec"]["autoscaling"] = AUTOSCALING
+    if autoscaling:
+        manifest["spec"]["autoscaling"] = AUTOSCALING
     return manifest
+
+
+def gpu_capacity(cluster: LocalCluster) -> int:
+    """GPUs of the schedulable GPU nodes, all together."""
+    return sum(
+        node_gpus(node)
+        for node in cluster.gpu_nodes()
+        if not (node.get("spec") or {}).get("unschedulable")
+    )
+
+
+def nodes_line(cluster: LocalCluster) -> str:
+    nodes = cluster.gpu_nodes()
+    return ", ".join(f"{n['metadata']['name']} ({node_gpus(n)} GPU)" for n in nodes)
+
+
+def finite_capacity(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
+    """The cluster autoscaler stand-in over GPU nodes: pods wait for capacity, a node comes,
+    and the node that became spare is drained through the Eviction API under the
+    PodDisruptionBudget, while clients stream."""
+    autoscaler = cluster.start_cluster_autoscaler(NODE_GROUP, NODE_TIMERS)
+    with steps(
+        "cluster-autoscaler stand-in on; kubectl scale pllm/demo --replicas=1: "
+        "emptied GPU nodes removed, capacity for one pod left"
+    ):
+        cluster.kubectl("scale", f"pllm/{NAME}", "--replicas=1")
+        eventually(lambda: ready_with(cluster, 1), timeout=60, what="1 serving pod")
+        eventually(lambda: gpu_capacity(cluster) == 1, timeout=60, what="the spare GPU nodes to go")
+        steps.say(f"   GPU nodes: {nodes_line(cluster)}; removed {autoscaler.stats.removed}")
+
+    # Short streams back to back and long ones that outlast a stopping pod's preStop pause,
+    # through both steps: some are running on the pod that the drain evicts.
+    with ExitStack() as streaming:
+        short = streaming.enter_context(KeepStreaming(base_url, MODEL))
+        long = streaming.enter_context(
+            KeepStreaming(base_url, MODEL, max_tokens=LONG_STREAM_TOKENS, ignore_eos=True)
+        )
+        with steps(
+            "with capacity for one pod only, kubectl scale --replicas=3 while clients stream: "
+            "two pods Pending/Unschedulable, Progressing/WaitingForCapacity (not Degraded), a "
+            "node added, all 3 Ready"
+        ):
+            outgrow_the_nodes(cluster, autoscaler, steps)
+        with steps(
+            "the cluster scales down: the 1-GPU node drained through the Eviction API, held by "
+            "the PDB until the new pods were ready, then removed; no stream fails"
+        ):
+            drain_the_small_node(cluster, autoscaler, steps)
+            streaming.close()
+            none_failed(steps, "through both steps", short.stats, long.stats)
+
+
+def none_failed(steps: Steps, when: str, short: StreamStats, long: StreamStats) -> None:
+    """The short and long streams of KeepStreaming clients all ended with a finish_reason."""
+    for kind, stats in (("short", short), ("long", long)):
+        failed = stats.failures + stats.cut
+        steps.say(
+            f"   {stats.requests} {kind} streams {when} ({stats.tokens} tokens), "
+            f"{len(failed)} failed"
+        )
+        assert not failed, f"{kind} streams failed {when}: {failed}"
+        assert stats.requests > 0
+
+
+def outgrow_the_nodes(
+    cluster: LocalCluster, autoscaler: ClusterAutoscalerStandin, steps: Steps
+) -> None:
+    cluster.kubectl("scale", f"pllm/{NAME}", "--replicas=3")
+
+    def waiting() -> tuple[list[str], dict[str, Any]] | None:
+        messages = [
+            c["message"]
+            for p in pods(cluster)
+            for c in p["status"].get("conditions") or []
+            if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
+        ]
+        body = pagedllm(cluster)
+        progressing = condition(body, "Progressing")
+        if (
+            len(messages) == 2
+            and progressing.get("reason") == "WaitingForCapacity"
+            and progressing["message"].startswith("2 pods wait")
+            and condition(body, "Degraded").get("status") == "False"
+        ):
+            return messages, progressing
+        return None
+
+    # Before the autoscaler's delay is over (then a node comes and they are scheduled).
+    messages, progressing = eventually(
+        waiting, timeout=NODE_TIMERS.scale_up_delay + 20, what="two pods waiting"
+    )
+    assert all("Insufficient nvidia.com/gpu" in m for m in messages), messages
+    steps.say(f"   pods: {messages[0]}")
+    steps.say(f"   Progressing/WaitingForCapacity: {progressing['message']}")
+    eventually(lambda: autoscaler.stats.added, timeout=30, what="a node to be added")
+    # Three ready at once: the first pod's node is drained once the budget allows (next step).
+    eventually(lambda: len(serving_pods(cluster)) == 3, timeout=150, what="3 ready pods")
+    steps.say(f"   added {autoscaler.stats.added}; GPU nodes: {nodes_line(cluster)}")
+
+
+def drain_the_small_node(
+    cluster: LocalCluster, autoscaler: ClusterAutoscalerStandin, steps: Steps
+) -> None:
+    """The first pod fits on the new node beside the others: the autoscaler stand-in cordons
+    the 1-GPU node and evicts its pod, which the budget (one of three unavailable at most)
+    refuses until the new pods are ready; the replacement starts on the new node, and the
+    evicted pod drains its streams before it goes."""
+    fewest_ready = [len(serving_pods(cluster))]
+
+    def drained() -> bool:
+        fewest_ready[0] = min(fewest_ready[0], len(serving_pods(cluster)))
+        return bool(autoscaler.stats.drained) and ready_with(cluster, 3) is not None
+
+    eventually(drained, timeout=150, what="a node to be drained and removed", interval=0.5)
+    eventually(lambda: routers_follow_the_pods(cluster), timeout=30, what="routers' backends")
+    time.sleep(1)  # and streaming on the replacement
+    stats = autoscaler.stats
+    steps.say(
+        f"   drained {stats.drained}: evicted {stats.evicted}, {stats.refused} evictions "
+        f"refused by the PDB and retried; fewest ready serving pods since all 3 were: "
+        f"{fewest_ready[0]}; GPU nodes: {nodes_line(cluster)}"
+    )
+    assert stats.evicted and stats.refused >= 1 and fewest_ready[0] >= 2, stats
 
 
 def scaled_to_zero(cluster: LocalCluster) -> dict[str, Any] | None:
@@ -538,14 +686,7 @@ def rolling_update(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
         eventually(rolled_out, timeout=240, what="the rollout to finish", interval=0.5)
         cluster.kubectl("rollout", "status", f"deployment/{NAME}", "--timeout=10s")
         time.sleep(1)  # and streaming on the new pods
-    for kind, stats in (("short", short.stats), ("long", long.stats)):
-        failed = stats.failures + stats.cut
-        steps.say(
-            f"   {stats.requests} {kind} streams during the rollout "
-            f"({stats.tokens} tokens), {len(failed)} failed"
-        )
-        assert not failed, f"{kind} streams failed during the rollout: {failed}"
-        assert stats.requests > 0
+    none_failed(steps, "during the rollout", short.stats, long.stats)
     steps.say(f"   Progressing reasons seen: {reasons}")
     assert "RollingUpdate" in reasons
     new_hashes = {p["metadata"]["labels"][POD_TEMPLATE_HASH] for p in pods(cluster)}

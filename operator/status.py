@@ -131,6 +131,20 @@ def _ready_condition(desired: int, ready: int, router: RouterObserved | None) ->
     return Condition(READY, True, "AllReplicasReady", f"{ready}/{desired} replicas ready")
 
 
+def waiting_for_capacity(unschedulable: Sequence[PodProblem]) -> Condition:
+    """Progressing, not failed: pods the scheduler cannot place yet are what makes a cluster
+    autoscaler add nodes, after which they start."""
+    first = unschedulable[0]
+    count = len(unschedulable)
+    pods = "1 pod waits" if count == 1 else f"{count} pods wait"
+    return Condition(
+        PROGRESSING,
+        True,
+        "WaitingForCapacity",
+        f"{pods} for the cluster to add capacity; pod {first.pod}: {first.message}",
+    )
+
+
 def conditions_for(desired: int, observed: Observed, spec_error: str | None) -> list[Condition]:
     if spec_error is not None:
         return [
@@ -176,13 +190,7 @@ def conditions_for(desired: int, observed: Observed, spec_error: str | None) -> 
     ready_condition = _ready_condition(desired, ready, router)
 
     if unschedulable:
-        progressing = Condition(
-            PROGRESSING,
-            True,
-            "WaitingForCapacity",
-            f"pod {unschedulable[0].pod} cannot be scheduled yet ({unschedulable[0].message}); "
-            "waiting for the cluster to add capacity",
-        )
+        progressing = waiting_for_capacity(unschedulable)
     elif counts.get("observedGeneration", 0) < (deployment.get("metadata") or {}).get(
         "generation", 0
     ):

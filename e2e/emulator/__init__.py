@@ -4,7 +4,8 @@ It keeps objects in memory and speaks the REST API: discovery (/api, /apis), Ope
 v2 with the CRDs' schemas (`kubectl explain`), list and watch (replay from a resourceVersion,
 bookmarks, the initial-events bookmark), get, create, replace, the four patch types (JSON,
 merge, strategic, server-side apply), delete with finalizers and owner-reference garbage
-collection, the status and scale subresources, label and field selectors, server-side Tables
+collection, the status and scale subresources, pod binding and eviction (PodDisruptionBudgets
+honoured: 429 when they allow no disruption), label and field selectors, server-side Tables
 for `kubectl get`, and custom resources from the CRDs created in it (defaults, pruning, schema
 and CEL validation).
 
@@ -15,8 +16,9 @@ No controllers run here: nothing turns a Deployment into pods. Run it standalone
 or in-process from tests with `EmulatorThread`.
 
 Modules, from the bottom up: resources (the kinds), errors, objects (timestamps, field
-paths), patches, selectors, events, crd_validation, store (the cluster's state), routing,
-tables, watches, discovery, openapi and openapi_v2_proto, server (HTTP), running.
+paths), patches, selectors, events, crd_validation, store (the cluster's state), disruption
+and pod_actions (eviction, binding), routing, tables, watches, discovery, openapi and
+openapi_v2_proto, server (HTTP), running.
 """
 
 from e2e.emulator.running import EmulatorThread, kubeconfig_text

@@ -5,7 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from e2e.emulator.errors import no_such_resource
-from e2e.emulator.resources import SCALE_SUBRESOURCE, ResourceType
+from e2e.emulator.resources import (
+    BINDING_SUBRESOURCE,
+    EVICTION_SUBRESOURCE,
+    SCALE_SUBRESOURCE,
+    ResourceType,
+)
 from e2e.emulator.store import KubeEmulator
 
 KUBERNETES_VERSION = {"major": "1", "minor": "32", "gitVersion": "v1.32.0-emulator"}
@@ -88,4 +93,8 @@ def _subresource(rtype: ResourceType, sub: str) -> dict[str, Any]:
     }
     if sub == SCALE_SUBRESOURCE:
         entry.update(group="autoscaling", version="v1", kind="Scale")
+    elif sub == EVICTION_SUBRESOURCE:
+        entry.update(group="policy", version="v1", kind="Eviction", verbs=["create"])
+    elif sub == BINDING_SUBRESOURCE:
+        entry.update(kind="Binding", verbs=["create"])
     return entry

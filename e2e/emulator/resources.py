@@ -8,6 +8,9 @@ from typing import Any
 
 STATUS_SUBRESOURCE = "status"
 SCALE_SUBRESOURCE = "scale"
+# The pods' POST-only subresources (e2e/emulator/pod_actions.py).
+BINDING_SUBRESOURCE = "binding"
+EVICTION_SUBRESOURCE = "eviction"
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,15 @@ def _workload(plural: str, kind: str, short_name: str) -> ResourceType:
 BUILTIN_TYPES: tuple[ResourceType, ...] = (
     ResourceType("", "v1", "namespaces", "Namespace", namespaced=False, short_names=("ns",)),
     ResourceType("", "v1", "nodes", "Node", namespaced=False, short_names=("no",)),
-    ResourceType("", "v1", "pods", "Pod", short_names=("po",), categories=("all",)),
+    ResourceType(
+        "",
+        "v1",
+        "pods",
+        "Pod",
+        short_names=("po",),
+        categories=("all",),
+        subresources=frozenset({STATUS_SUBRESOURCE, BINDING_SUBRESOURCE, EVICTION_SUBRESOURCE}),
+    ),
     ResourceType("", "v1", "services", "Service", short_names=("svc",), categories=("all",)),
     ResourceType("", "v1", "endpoints", "Endpoints", short_names=("ep",), subresources=frozenset()),
     ResourceType("", "v1", "secrets", "Secret", subresources=frozenset()),

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from e2e.emulator import discovery, openapi, openapi_v2_proto
+from e2e.emulator import discovery, openapi, openapi_v2_proto, pod_actions
 from e2e.emulator.errors import ApiError, bad_request, invalid, no_such_resource
 from e2e.emulator.objects import set_path
 from e2e.emulator.patches import (
@@ -23,7 +23,13 @@ from e2e.emulator.patches import (
     strategic_merge_patch,
 )
 from e2e.emulator.requests import REQUESTS_PATH, RecordedRequest, RequestLog, summary
-from e2e.emulator.resources import BUILTIN_TYPES, SCALE_SUBRESOURCE, ResourceType
+from e2e.emulator.resources import (
+    BINDING_SUBRESOURCE,
+    BUILTIN_TYPES,
+    EVICTION_SUBRESOURCE,
+    SCALE_SUBRESOURCE,
+    ResourceType,
+)
 from e2e.emulator.routing import ResourceRequest, parse_resource_path
 from e2e.emulator.selectors import Selection, parse_field_selector, parse_label_selector
 from e2e.emulator.store import KubeEmulator
@@ -190,6 +196,8 @@ class EmulatorServer:
             resource.subresource,
         )
         assert name is not None
+        if sub in (EVICTION_SUBRESOURCE, BINDING_SUBRESOURCE) and method != "POST":
+            raise ApiError(405, "MethodNotAllowed", f"{sub} takes POST only")
         if method == "GET":
             obj = em.get(rtype, namespace, name)
             if sub == SCALE_SUBRESOURCE:
@@ -205,8 +213,26 @@ class EmulatorServer:
         if method == "PATCH":
             return await self._patch(request, resource, options)
         if method == "POST":
-            raise ApiError(405, "MethodNotAllowed", f"POST to {sub} is not supported")
+            return await self._post_to_pod(request, resource, options)
         raise ApiError(405, "MethodNotAllowed", f"{method} is not supported")
+
+    async def _post_to_pod(
+        self, request: web.Request, resource: ResourceRequest, options: WriteOptions
+    ) -> web.Response:
+        """A pod's binding (by the scheduler) or eviction (PodDisruptionBudgets honoured)."""
+        sub, namespace, name = resource.subresource, resource.namespace, resource.name
+        assert name is not None and namespace is not None
+        is_pod = resource.rtype.group == "" and resource.rtype.plural == "pods"
+        if is_pod and sub == EVICTION_SUBRESOURCE:
+            body = await _body(request)
+            return _json(
+                pod_actions.evict(self.emulator, namespace, name, body, dry_run=options.dry_run),
+                status=201,
+            )
+        if is_pod and sub == BINDING_SUBRESOURCE:
+            body = await _body(request)
+            return _json(pod_actions.bind(self.emulator, namespace, name, body), status=201)
+        raise ApiError(405, "MethodNotAllowed", f"POST to {sub} is not supported")
 
     def _write(
         self, resource: ResourceRequest, change: Change, options: WriteOptions

@@ -267,3 +267,43 @@ def test_router_condition_and_readiness() -> None:
     degraded = conditions_for(2, Observed(serving, [], routers(1, pods=[crashing])), None)
     (condition,) = [c for c in degraded if c.type == "Degraded"]
     assert condition.status and "demo-router-x" in condition.message
+
+
+def unschedulable_pod(name: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.",
+                }
+            ],
+        },
+    }
+
+
+def test_waiting_for_capacity_is_progress_not_failure() -> None:
+    growing = deployment(3, 1, 3)
+    waiting = Observed(growing, [unschedulable_pod("demo-b"), unschedulable_pod("demo-c")])
+    assert reasons(3, waiting) == {
+        "Ready": "False/ReplicasNotReady",
+        "Progressing": "True/WaitingForCapacity",
+        "Degraded": "False/AsExpected",
+        "Router": "False/Disabled",
+    }
+    (progressing,) = [c for c in conditions_for(3, waiting, None) if c.type == "Progressing"]
+    assert progressing.message.startswith("2 pods wait for the cluster to add capacity")
+    assert "demo-b: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu." in progressing.message
+    one = conditions_for(3, Observed(growing, [unschedulable_pod("demo-c")]), None)
+    assert next(c for c in one if c.type == "Progressing").message.startswith("1 pod waits")
+    # Scheduled (the nodes came): back to plain scaling, then Complete once ready.
+    assert reasons(3, Observed(growing, []))["Progressing"] == "True/ScalingUp"
+    assert reasons(3, Observed(deployment(3, 3, 3), []))["Progressing"] == "False/Complete"
+    # A pod being deleted waits for nothing.
+    leaving = unschedulable_pod("demo-d")
+    leaving["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert reasons(3, Observed(growing, [leaving]))["Progressing"] == "True/ScalingUp"
