@@ -287,7 +287,7 @@ def main() -> None:
         def grounded(pair: dict[bool, serving.Server]) -> list[dict]:
             levels = []
             for c in concurrencies:
-                requests = task_requests(max(8, 2 * c), args.max_tokens)
+                requests = task_requests(max(8, c), args.max_tokens)
                 levels.append(alternate(pair, requests, c, args.repeats))
             return levels
 

@@ -77,12 +77,13 @@ def parse_speculative_config(
         raise ValueError('speculative_config: "method" is required (e.g. "ngram")')
     if "num_speculative_tokens" not in value:
         raise ValueError("speculative_config: num_speculative_tokens is required")
-    low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
-    if low is None and high is None:
-        low = high = DEFAULT_LOOKUP
+    low = value.get("prompt_lookup_min")
+    high = value.get("prompt_lookup_max")
+    low = low if low is not None else high if high is not None else DEFAULT_LOOKUP
+    high = high if high is not None else low
     return SpeculativeConfig(
         method=value["method"],
         num_speculative_tokens=value["num_speculative_tokens"],
-        prompt_lookup_max=high if high is not None else low,
-        prompt_lookup_min=low if low is not None else high,
+        prompt_lookup_max=high,
+        prompt_lookup_min=low,
     )
