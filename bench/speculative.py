@@ -91,6 +91,13 @@ async def _closed_loop(
     client = AsyncOpenAI(
         base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", timeout=3600, max_retries=0
     )
+    async with client:
+        return await _send_all(client, server, requests, concurrency)
+
+
+async def _send_all(
+    client: Any, server: serving.Server, requests: list[dict[str, Any]], concurrency: int
+) -> tuple[float, list[str], int]:
     texts = [""] * len(requests)
     tokens = 0
     queue = list(range(len(requests)))
