@@ -3,7 +3,9 @@
 Same contract as :mod:`pagedllm.kernels.reference`. Decode rows (one new token) go through the
 C++ kernel of :mod:`pagedllm.kernels.cpu_extension`, which reads K/V in place through the
 block table; where it cannot be built they gather their blocks and use torch's
-``scaled_dot_product_attention``. Prefill chunks gather their sequence's blocks and use
+``scaled_dot_product_attention``. Short multi-token steps (speculative decoding's verification
+of a few drafts) go through the same kernel, one row per query whose keys end at its own
+position. Longer prefill chunks gather their sequence's blocks and use
 ``scaled_dot_product_attention`` with the causal mask of their positions.
 """
 
@@ -16,6 +18,11 @@ from pagedllm.kernels import cpu_extension
 from pagedllm.kernels.reference import copy_blocks
 
 __all__ = ["copy_blocks", "paged_attention", "write_kv"]
+
+# Steps of at most this many tokens of a sequence run as decode rows: a row per query reads
+# the sequence's keys in place, which for a few queries beats gathering a copy per sequence
+# and layer (one kernel call for the whole batch instead of a Python loop over sequences).
+MAX_ROWS_AS_DECODE = 16
 
 
 def write_kv(
@@ -131,19 +138,25 @@ def paged_attention(
     seq_lens_k = seq_lens_k.long()
     starts = cu_seqlens_q[:-1].long()
     q_lens = cu_seqlens_q[1:].long() - starts
-    decode = (q_lens == 1).nonzero()[:, 0]
-    if decode.numel():
-        rows = starts[decode]
+    short = (q_lens <= MAX_ROWS_AS_DECODE).nonzero()[:, 0]
+    if short.numel():
+        # Query j of a sequence with q_len queries and k_len keys is causal attention over
+        # its first k_len - q_len + j + 1 keys: exactly a decode row of that length.
+        counts = q_lens[short]
+        seq_of_row = torch.repeat_interleave(short, counts)
+        first_row = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        offset = torch.arange(seq_of_row.numel(), device=q.device) - first_row
+        rows = starts[seq_of_row] + offset
         out[rows] = decode_attention(
             q[rows],
             k_cache,
             v_cache,
-            block_tables[decode],
-            seq_lens_k[decode],
+            block_tables[seq_of_row],
+            seq_lens_k[seq_of_row] - q_lens[seq_of_row] + offset + 1,
             scale,
             sliding_window,
         )
-    for i in (q_lens > 1).nonzero()[:, 0].tolist():
+    for i in (q_lens > MAX_ROWS_AS_DECODE).nonzero()[:, 0].tolist():
         start, q_len, k_len = int(starts[i]), int(q_lens[i]), int(seq_lens_k[i])
         k = _gather(k_cache, block_tables[i : i + 1], k_len)
         v = _gather(v_cache, block_tables[i : i + 1], k_len)

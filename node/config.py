@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pagedllm.core.scheduler import SchedulerConfig
+from pagedllm.core.speculative import SpeculativeConfig, parse_speculative_config
 from pagedllm.kernels import BACKENDS
 
 # The weight and activation dtypes a model can be served in; "auto" takes the checkpoint's.
@@ -21,7 +24,8 @@ class EngineConfig:
     ``tokenizer`` takes the tokenizer from another directory or GGUF file.
     ``kv_cache_memory`` (bytes) sizes the KV cache directly; otherwise on CUDA
     ``gpu_memory_utilization`` of the device goes to weights, activations and cache, and on
-    the CPU a share of the free memory is used.
+    the CPU a share of the free memory is used. ``speculative_config`` (a dict as vLLM takes
+    it, or its JSON text) turns on speculative decoding.
     """
 
     model: str | None = None
@@ -38,8 +42,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     kernel_backend: str = "auto"
     device: str = "auto"
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         _positive("block_size", self.block_size)
@@ -88,6 +94,7 @@ def scheduler_config(config: EngineConfig, num_blocks: int, max_model_len: int) 
         max_model_len=max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         seed=config.seed,
+        speculative=parse_speculative_config(config.speculative_config),
     )
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from pagedllm.core.speculative import SpeculativeConfig, parse_speculative_config
+
 GROUP = "pagedllm.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -141,6 +143,7 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     extra_args: tuple[str, ...] = ()
+    speculative: SpeculativeConfig | None = None
 
 
 class Metric(str, Enum):
@@ -273,6 +276,35 @@ def _section(raw: Mapping[str, Any], key: str, where: str = "") -> Mapping[str, 
     return value
 
 
+# spec.engine.speculative's keys and vLLM's speculative_config's.
+_SPECULATIVE_KEYS = {
+    "method": "method",
+    "numSpeculativeTokens": "num_speculative_tokens",
+    "promptLookupMax": "prompt_lookup_max",
+    "promptLookupMin": "prompt_lookup_min",
+}
+
+
+def parse_speculative(raw: Any) -> SpeculativeConfig | None:
+    """spec.engine.speculative, checked as `pagedllm serve` checks --speculative-config."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise InvalidSpec("spec.engine.speculative must be an object")
+    unknown = sorted(set(raw) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise InvalidSpec(
+            f"spec.engine.speculative: unknown fields {unknown}; known: {list(_SPECULATIVE_KEYS)}"
+        )
+    try:
+        return parse_speculative_config({_SPECULATIVE_KEYS[k]: v for k, v in raw.items()})
+    except ValueError as error:
+        message = str(error).replace("speculative_config", "spec.engine.speculative")
+        for camel, snake in _SPECULATIVE_KEYS.items():
+            message = message.replace(snake, camel)
+        raise InvalidSpec(message) from None
+
+
 def parse_spec(raw: Mapping[str, Any]) -> PagedLLMSpec:
     """Turn the resource's spec into PagedLLMSpec, or raise InvalidSpec saying what is wrong."""
     model_raw = _section(raw, "model")
@@ -303,6 +335,7 @@ def parse_spec(raw: Mapping[str, Any]) -> PagedLLMSpec:
             engine_raw, "enablePrefixCaching", defaults.enable_prefix_caching, bool, "engine."
         ),
         extra_args=tuple(str(arg) for arg in engine_raw.get("extraArgs") or ()),
+        speculative=parse_speculative(engine_raw.get("speculative")),
     )
 
     autoscaling = None

@@ -11,7 +11,8 @@ class FakeWorker:
     """Tracks what the plans tell it and answers with random tokens.
 
     It checks the plan's difference protocol: a running update for an unknown sequence, or a
-    computed-token count that disagrees with what it knows, fails the test.
+    computed-token count that disagrees with what it knows, fails the test. Drafts are
+    accepted up to a random position.
     """
 
     def __init__(self, vocab: int = 50, seed: int = 0, eos: int | None = None) -> None:
@@ -42,6 +43,17 @@ class FakeWorker:
         result = StepResult(plan.step_id)
         for seq_id, n in plan.scheduled:
             seq = self.seqs[seq_id]
+            draft = plan.drafts.get(seq_id)
+            if draft:
+                # A random agreeing prefix of the draft, then a token of its own; the accepted
+                # drafts' K/V counts as computed, as the scheduler counts it.
+                assert seq["computed"] + n - len(draft) == len(seq["tokens"])
+                accepted = self.rng.randint(0, len(draft))
+                tokens = draft[:accepted] + [self.rng.randrange(self.vocab)]
+                seq["computed"] += n - len(draft) + accepted
+                logprobs = [-self.rng.random() * 3 for _ in tokens]
+                result.samples.append(SeqSample(seq_id, tokens, logprobs))
+                continue
             seq["computed"] += n
             assert seq["computed"] <= len(seq["tokens"])
             if seq["computed"] == len(seq["tokens"]):

@@ -144,6 +144,15 @@ class BlockManager:
         seq.num_kv_tokens = 0
         seq.num_computed_tokens = 0
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's KV (rejected draft tokens were written
+        there); the block holding its last KV token stays, its free slots to be overwritten."""
+        ids = seq.blocks.ids
+        keep = self.blocks_needed(max(seq.num_kv_tokens, seq.num_computed_tokens))
+        for block_id in reversed(ids[keep:]):
+            self.pool.release(block_id)
+        del ids[keep:]
+
     def register_computed(self, seq: Sequence) -> None:
         """Publish the hashes of blocks whose KV is now fully written."""
         if not self.enable_prefix_caching:

@@ -8,10 +8,21 @@ its final delta is made.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pagedllm.core.request_delta import RequestDelta, SeqDelta
 from pagedllm.core.sequence import Request, Sequence
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's speculative-decoding counters: drafts verified, their tokens, those accepted
+    (in all, and by position in the draft)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -24,6 +35,8 @@ class SchedulerStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    # None when speculative decoding is off.
+    spec_decode: SpecDecodeStats | None = None
 
 
 def step_delta(request: Request, reported: dict[int, int]) -> RequestDelta:

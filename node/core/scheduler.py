@@ -13,14 +13,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedllm.core import reporting
 from pagedllm.core.beam_search import BeamSearch
 from pagedllm.core.block_manager import BlockManager
-from pagedllm.core.reporting import SchedulerStats
+from pagedllm.core.ngram_proposer import propose
+from pagedllm.core.reporting import SchedulerStats, SpecDecodeStats
 from pagedllm.core.request_delta import RequestDelta, RequestTimings
 from pagedllm.core.sequence import FinishReason, GrammarRef, Request, Sequence, SequenceStatus
+from pagedllm.core.speculative import SpeculativeConfig
 from pagedllm.core.step_plan import LAST_SAMPLE, PromptLogprobs, SeqSample, StepPlan, StepResult
 from pagedllm.core.worker_view import WorkerView
 from pagedllm.sampling_params import SamplingParams, derive_seed
@@ -35,6 +37,11 @@ class SchedulerConfig:
     max_model_len: int
     enable_prefix_caching: bool = True
     seed: int = 0
+    speculative: SpeculativeConfig | None = None
+
+
+# The most steps a sequence whose drafts keep gaining nothing goes without drafting.
+MAX_SPEC_PAUSE = 128
 
 
 class Scheduler:
@@ -61,6 +68,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        spec = config.speculative
+        self.spec_stats = SpecDecodeStats(
+            accepted_per_pos=[0] * (spec.num_speculative_tokens if spec else 0)
+        )
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -154,22 +165,39 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            spec_decode=None
+            if self.config.speculative is None
+            else replace(self.spec_stats, accepted_per_pos=list(self.spec_stats.accepted_per_pos)),
         )
 
     # ----- scheduling ----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        """The next step, made with every sample in: decoding sequences may draft."""
+        return self._schedule(drafting=self.config.speculative is not None)
+
+    def _schedule(self, drafting: bool) -> StepPlan:
         for request in self._beams.settle(self.running):
             self._pending_deltas.append(self._report(request, {}))
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
+        drafts: dict[int, list[int]] = {}
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0:
+                i += 1
+                continue
+            draft = self._draft(seq, budget) if drafting and num_new == 1 else []
+            # Drafts take blocks only where they are free: short of them, the sequence steps
+            # without (and preempts, if it must, for its one token).
+            if draft and self.block_manager.allocate(seq, 1 + len(draft)):
+                drafts[seq.seq_id] = draft
+                scheduled.append((seq, 1 + len(draft)))
+                budget -= 1 + len(draft)
                 i += 1
                 continue
             while not self.block_manager.allocate(seq, num_new):
@@ -200,7 +228,44 @@ class Scheduler:
                 self.prompt_tokens += request.prompt_len
             scheduled.append((seq, num_new))
             budget -= num_new
-        return self._plan(scheduled)
+        return self._plan(scheduled, drafts)
+
+    def _may_draft(self, seq: Sequence) -> bool:
+        """Whether ``seq`` drafts when next it decodes. Sequences whose sampling follows more
+        than the model's distribution token by token (log probabilities, grammars, beams) step
+        without drafts, as does one pausing after drafts that gained nothing."""
+        p = seq.params
+        return (
+            seq.spec_pause == 0
+            and seq.num_output_tokens > 0
+            and not seq.pending_sample
+            and p.logprobs is None
+            and not p.use_beam_search
+            and seq.request.grammar is None
+        )
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for ``seq``'s next decode step, within the token budget and the
+        length limits (the step yields up to one more token than its drafts)."""
+        spec = self.config.speculative
+        if spec is None or not self._may_draft(seq):
+            return []
+        room = self.config.max_model_len - seq.num_tokens - 1
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_output_tokens - 1)
+        k = min(spec.num_speculative_tokens, budget - 1, room)
+        if k < 1:
+            return []
+        draft = propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if not draft:
+            self._spec_miss(seq)
+        return draft
+
+    def _spec_miss(self, seq: Sequence) -> None:
+        """A draft attempt gained nothing: pause drafting, twice as long as the last time."""
+        seq.spec_misses += 1
+        seq.spec_pause = min(2**seq.spec_misses, MAX_SPEC_PAUSE)
 
     def schedule_ahead(self, in_flight: StepPlan) -> StepPlan | None:
         """The plan after ``in_flight``, made before its results are in (async scheduling).
@@ -213,6 +278,12 @@ class Scheduler:
         """
         if any(r.params.use_beam_search for r in self.requests.values()):
             return None
+        # Speculation meets async scheduling here: drafts continue known tokens, which a
+        # placeholder is not, so while any running sequence would draft the node schedules
+        # synchronously (no plan ahead: the next plan is made with every sample in). Sequences
+        # pausing their drafts, or never drafting, let the node plan ahead again.
+        if self.config.speculative is not None and any(self._may_draft(s) for s in self.running):
+            return None
         by_id = {s.seq_id: s for s in self.running}
         for seq_id, _ in in_flight.scheduled:
             seq = by_id.get(seq_id)
@@ -222,7 +293,7 @@ class Scheduler:
                 continue
             seq.token_ids.append(LAST_SAMPLE)
             seq.pending_sample = True
-        return self.schedule()
+        return self._schedule(drafting=False)
 
     def _drop_pending(self, seq: Sequence) -> None:
         """Take back the placeholder of a sample still in flight (its sample is dropped)."""
@@ -230,11 +301,14 @@ class Scheduler:
             seq.token_ids.pop()
             seq.pending_sample = False
 
-    def _plan(self, scheduled: list[tuple[Sequence, int]]) -> StepPlan:
-        """The workers' plan for ``scheduled``; the sequences then count those tokens done."""
-        plan = self.workers.plan(scheduled, self.block_manager.take_copies())
+    def _plan(
+        self, scheduled: list[tuple[Sequence, int]], drafts: dict[int, list[int]]
+    ) -> StepPlan:
+        """The workers' plan for ``scheduled``; the sequences then count those tokens done
+        (drafts not yet: ``update`` counts those accepted)."""
+        plan = self.workers.plan(scheduled, self.block_manager.take_copies(), drafts)
         for seq, num_new in scheduled:
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += num_new - len(drafts.get(seq.seq_id, ()))
             seq.num_kv_tokens = max(seq.num_kv_tokens, seq.num_computed_tokens)
             params = seq.params
             fan_out = (
@@ -288,6 +362,12 @@ class Scheduler:
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue
             touched[seq.request.request_id] = seq.request
+            draft = plan.drafts.get(seq.seq_id)
+            if draft is not None:
+                self._take_verified(seq, sample, draft, reported)
+                continue
+            if seq.spec_pause > 0:
+                seq.spec_pause -= 1
             self._take_sample(seq, sample, reported)
         for request in touched.values():
             if request.params.use_beam_search:
@@ -322,6 +402,36 @@ class Scheduler:
             self._fan_out(seq, sample, reported)
         else:
             self._append(seq, sample, 0)
+
+    def _take_verified(
+        self, seq: Sequence, sample: SeqSample, draft: list[int], reported: dict[int, int]
+    ) -> None:
+        """The accepted drafts and the workers' own token: appended one by one, so that the
+        stop conditions cut them exactly where a step per token would have stopped."""
+        # The workers answer the agreeing prefix and one more; anything past that is not kept.
+        accepted = 0
+        limit = min(len(draft), len(sample.token_ids) - 1)
+        while accepted < limit and sample.token_ids[accepted] == draft[accepted]:
+            accepted += 1
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += len(draft)
+        stats.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            stats.accepted_per_pos[pos] += 1
+        reported.setdefault(seq.seq_id, seq.num_tokens)
+        for j in range(min(accepted + 1, len(sample.token_ids))):
+            self._append(seq, sample, j)
+            if seq.is_finished:
+                return
+        # The verification pass wrote the accepted drafts' K/V; the rejected ones' slots go back.
+        seq.num_computed_tokens += accepted
+        seq.num_kv_tokens = max(seq.num_kv_tokens, seq.num_computed_tokens)
+        self.block_manager.trim(seq)
+        if accepted:
+            seq.spec_misses = 0
+        else:
+            self._spec_miss(seq)
 
     def _report(self, request: Request, reported: dict[int, int]) -> RequestDelta:
         delta = reporting.step_delta(request, reported)

@@ -77,6 +77,10 @@ class StepPlan:
     # Compiled grammars the workers do not hold yet (key -> data), and those they may drop.
     grammars: dict[str, str] = field(default_factory=dict)
     dropped_grammars: list[str] = field(default_factory=list)
+    # Speculative decoding: seq_id -> draft tokens, the last of the sequence's scheduled
+    # tokens (after all its known ones). The workers verify them and answer with the accepted
+    # drafts plus one token of their own in the sample.
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

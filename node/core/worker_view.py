@@ -79,12 +79,17 @@ class WorkerView:
             self._gone.append(seq.seq_id)
 
     def plan(
-        self, scheduled: list[tuple[Sequence, int]], block_copies: list[tuple[int, int]]
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        block_copies: list[tuple[int, int]],
+        drafts: dict[int, list[int]] | None = None,
     ) -> StepPlan:
-        """The next step for the workers: compute ``scheduled`` (sequence, new tokens) as the
-        sequences stand now, after the block copies and dropping the sequences gone."""
+        """The next step for the workers: compute ``scheduled`` (sequence, new tokens, drafts
+        included) as the sequences stand now, after the block copies and dropping the sequences
+        gone; ``drafts`` (seq_id -> tokens) are verified after each sequence's known tokens."""
         plan = StepPlan(step_id=next(self._step_ids), finished=self._gone)
         plan.block_copies = block_copies
+        plan.drafts = drafts or {}
         self._gone = []
         for seq, num_new in scheduled:
             table = seq.blocks.ids

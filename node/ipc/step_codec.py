@@ -34,6 +34,8 @@ _decode_top = decoder(list[list[tuple[int, float]]] | None)
 _encode_top = encoder(list[list[tuple[int, float]]] | None)
 _decode_grammars = decoder(dict[str, str])
 _decode_dropped = decoder(list[str])
+_encode_drafts = encoder(dict[int, list[int]])
+_decode_drafts = decoder(dict[int, list[int]])
 
 
 def _ints(values: list[int]) -> bytes:
@@ -85,12 +87,13 @@ def encode_plan(plan: StepPlan) -> list[Any]:
         [list(pair) for pair in plan.block_copies],
         plan.grammars,
         plan.dropped_grammars,
+        _encode_drafts(plan.drafts),
     ]
 
 
 def decode_plan(payload: Any) -> StepPlan:
-    if not isinstance(payload, list) or len(payload) != 10:
-        raise WireError("expected a step plan of 10 fields")
+    if not isinstance(payload, list) or len(payload) != 11:
+        raise WireError("expected a step plan of 11 fields")
     (
         step_id,
         new,
@@ -102,6 +105,7 @@ def decode_plan(payload: Any) -> StepPlan:
         copies,
         grammars,
         dropped,
+        drafts,
     ) = payload
     if type(step_id) is not int:
         raise WireError("step plan: step_id must be an int")
@@ -135,6 +139,7 @@ def decode_plan(payload: Any) -> StepPlan:
         block_copies=_decode_pairs(copies),
         grammars=_decode_grammars(grammars),
         dropped_grammars=_decode_dropped(dropped),
+        drafts=_decode_drafts(drafts),
     )
 
 

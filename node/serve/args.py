@@ -291,6 +291,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="how tool calls are read from the model's text: hermes (Qwen2.5/Qwen3, Hermes, "
         "the built-in tool template), llama3_json (Llama 3.1-3.3), mistral",
     )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
+    )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
@@ -328,6 +335,7 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
             tensor_parallel_size=ns.tensor_parallel_size,
             kernel_backend=ns.kernel_backend,
             device=ns.device,
+            speculative_config=ns.speculative_config,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -179,6 +179,22 @@ class SchedulerMetrics:
             model,
             STEP_BUCKETS,
         )
+        self.spec_drafts = _counter(
+            "vllm:spec_decode_num_drafts", "Drafts verified by speculative decoding.", model
+        )
+        self.spec_draft_tokens = _counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", model
+        )
+        self.spec_accepted_tokens = _counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", model
+        )
+        self._spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            [LABEL, "position"],
+            registry=None,
+        )
+        self._model = model
         # The totals last reported, so that the counters grow by the difference.
         self._totals: dict[Counter, int] = {}
 
@@ -198,11 +214,26 @@ class SchedulerMetrics:
             (self.preemptions, stats.num_preemptions),
             (self.prompt_tokens, stats.prompt_tokens),
             (self.generation_tokens, stats.generation_tokens),
+            *self._spec_totals(stats),
         ):
             before = self._totals.get(counter, 0)
             if total > before:
                 counter.inc(total - before)
             self._totals[counter] = total
+
+    def _spec_totals(self, stats: SchedulerStats) -> list[tuple[Counter, int]]:
+        spec = stats.spec_decode
+        if spec is None:
+            return []
+        return [
+            (self.spec_drafts, spec.num_drafts),
+            (self.spec_draft_tokens, spec.num_draft_tokens),
+            (self.spec_accepted_tokens, spec.num_accepted_tokens),
+            *(
+                (self._spec_per_pos.labels(self._model, str(pos)), count)
+                for pos, count in enumerate(spec.accepted_per_pos)
+            ),
+        ]
 
 
 class RequestRecorder:

@@ -25,6 +25,7 @@ from pagedllm.models.loader import load_model
 from pagedllm.worker import kv_cache
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.sampler import SampleRow, sample
+from pagedllm.worker.spec_verify import verify
 
 if TYPE_CHECKING:
     from pagedllm.structured.matchers import GrammarMatchers
@@ -224,15 +225,23 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []  # row in the batch whose logits are sampled
         sampled: list[tuple[int, NewSequence]] = []
+        # Sequences verifying drafts: (seq id, seq, first row, draft); rows first .. first+len.
+        verified: list[tuple[int, NewSequence, int, list[int]]] = []
         prompt_rows: list[tuple[int, NewSequence, int, int, int]] = []  # id, seq, row, pos, n
         for seq_id, n in plan.scheduled:
             seq = self.seqs[seq_id]
             start = seq.num_computed_tokens
+            draft = plan.drafts.get(seq_id, [])
+            # The drafts run after the known tokens, through the same paged attention: one
+            # multi-token step of the sequence against its cache, like a prefill chunk.
+            known = n - len(draft)
             pos = np.arange(start, start + n)
             table = np.asarray(seq.block_ids, dtype=np.int64)
             slot = table[pos // bs] * bs + pos % bs
             slot[pos < seq.num_kv_tokens] = -1
-            input_ids.append(np.asarray(seq.token_ids[start : start + n], dtype=np.int64))
+            input_ids.append(
+                np.asarray(seq.token_ids[start : start + known] + draft, dtype=np.int64)
+            )
             positions.append(pos)
             slots.append(slot)
             row0 = cu_seqlens[-1]
@@ -242,9 +251,13 @@ class ModelRunner:
             if seq.sampling.prompt_logprobs is not None and start < seq.prompt_len - 1:
                 count = min(start + n, seq.prompt_len - 1) - start
                 prompt_rows.append((seq_id, seq, row0, start, count))
-            seq.num_computed_tokens = start + n
-            seq.num_kv_tokens = max(seq.num_kv_tokens, start + n)
-            if start + n == len(seq.token_ids):
+            # Drafts are not the sequence's tokens (yet): the scheduler sends those accepted,
+            # and their K/V slots count as unwritten until then.
+            seq.num_computed_tokens = start + known
+            seq.num_kv_tokens = max(seq.num_kv_tokens, start + known)
+            if draft:
+                verified.append((seq_id, seq, row0 + known - 1, draft))
+            elif start + n == len(seq.token_ids):
                 sample_rows.append(row0 + n - 1)
                 sampled.append((seq_id, seq))
         dev = self.device
@@ -290,10 +303,33 @@ class ModelRunner:
                 result.samples.append(
                     SeqSample(seq_id, out.token_ids, out.logprobs, out.top_logprobs)
                 )
+        if verified:
+            self._verify(hidden, verified, result)
         for seq_id, seq, row0, start, count in prompt_rows:
             logits = self.model.compute_logits(hidden[row0 : row0 + count])
             result.prompt_logprobs.append(_prompt_logprobs(seq_id, seq, logits, start))
         return result
+
+    def _verify(
+        self,
+        hidden: torch.Tensor,
+        verified: list[tuple[int, NewSequence, int, list[int]]],
+        result: StepResult,
+    ) -> None:
+        rows = [r for _, _, first, draft in verified for r in range(first, first + len(draft) + 1)]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        at = 0
+        for seq_id, seq, _, draft in verified:
+            out = verify(
+                logits[at : at + len(draft) + 1],
+                seq.sampling,
+                seq.token_ids[: seq.prompt_len],
+                seq.token_ids[seq.prompt_len :],
+                draft,
+            )
+            at += len(draft) + 1
+            self.last_samples[seq_id] = out.token_ids[-1]
+            result.samples.append(SeqSample(seq_id, out.token_ids, out.logprobs, out.top_logprobs))
 
 
 def _prompt_logprobs(

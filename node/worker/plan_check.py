@@ -64,9 +64,25 @@ def plan_problem(
             return f"scheduled unknown sequence {seq_id}"
         num_tokens, num_blocks_held, computed = after[seq_id]
         end = computed + n
-        if n < 1 or computed < 0 or end > num_tokens or end > num_blocks_held * block_size:
+        known_end = end - len(plan.drafts.get(seq_id, ()))
+        if n < 1 or computed < 0 or known_end > num_tokens or end > num_blocks_held * block_size:
             return f"sequence {seq_id}: cannot compute tokens {computed}..{end}"
-    return _missing_grammar(plan, grammars)
+    return _misplaced_draft(plan, after, vocab_size) or _missing_grammar(plan, grammars)
+
+
+def _misplaced_draft(
+    plan: StepPlan, after: Mapping[int, tuple[int, int, int]], vocab_size: int
+) -> str | None:
+    """Drafts must be tokens and follow every known token of their sequence, which the step
+    computes."""
+    counts = dict(plan.scheduled)
+    for seq_id, draft in plan.drafts.items():
+        if not all(0 <= t < vocab_size for t in draft):
+            return f"sequence {seq_id}: draft token ids outside [0, {vocab_size})"
+        known = counts.get(seq_id, 0) - len(draft)
+        if not draft or known < 1 or after[seq_id][2] + known != after[seq_id][0]:
+            return f"sequence {seq_id}: drafts must follow all its tokens in a scheduled step"
+    return None
 
 
 def _missing_grammar(plan: StepPlan, grammars: Container[str] | None) -> str | None:

@@ -117,14 +117,11 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.argmax(probs / noise))
 
 
-def sample(
+def processed_logits(
     logits: torch.Tensor, rows: list[SampleRow], mask: TokenMask | None = None
-) -> list[Sampled]:
-    """Sample each row of ``logits`` ([len(rows), vocab], float32) by its spec; ``mask``
-    holds the tokens the constrained rows' grammars allow. Log probabilities are those of the
-    model, before penalties and grammars."""
-    logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+) -> torch.Tensor:
+    """``logits`` (float32) after each row's penalties, min_tokens, token rules and grammar;
+    a copy when any of them applies."""
     token_rules = any(_has_token_rules(r) for r in rows)
     needs_processing = (
         mask is not None
@@ -144,6 +141,18 @@ def sample(
         _token_rules(processed, rows)
     if mask is not None:
         mask.apply(processed)
+    return processed
+
+
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], mask: TokenMask | None = None
+) -> list[Sampled]:
+    """Sample each row of ``logits`` ([len(rows), vocab], float32) by its spec; ``mask``
+    holds the tokens the constrained rows' grammars allow. Log probabilities are those of the
+    model, before penalties and grammars."""
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    processed = processed_logits(logits, rows, mask)
     greedy_tokens = torch.argmax(processed, dim=-1).tolist()
     results: list[Sampled] = []
     for i, row in enumerate(rows):

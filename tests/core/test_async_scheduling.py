@@ -19,6 +19,7 @@ import torch
 
 from pagedllm.config import EngineConfig, scheduler_config
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.speculative import SpeculativeConfig
 from pagedllm.core.step_pipeline import StepPipeline
 from pagedllm.core.step_plan import (
     LAST_SAMPLE,
@@ -59,6 +60,7 @@ class Run:
     preemptions: int = 0
     # Sequences preempted or ended while their placeholder was out.
     dropped_in_flight: int = 0
+    accepted: int = 0  # draft tokens accepted (speculative decoding)
 
 
 def random_trace(seed: int, vocab: int) -> Trace:
@@ -98,12 +100,15 @@ class WatchedScheduler(Scheduler):
         super()._finish(seq, reason, stop_reason)
 
 
-def drive(engine: LLMEngine, trace: Trace, ahead: bool) -> Run:
+def drive(
+    engine: LLMEngine, trace: Trace, ahead: bool, speculative: SpeculativeConfig | None = None
+) -> Run:
     runner = engine.runner
     assert runner.num_blocks >= NUM_BLOCKS
     runner.seqs.clear()
     runner.last_samples.clear()
-    scheduler = WatchedScheduler(scheduler_config(engine.config, NUM_BLOCKS, engine.max_model_len))
+    config = scheduler_config(engine.config, NUM_BLOCKS, engine.max_model_len)
+    scheduler = WatchedScheduler(dataclasses.replace(config, speculative=speculative))
     for request_id, prompt, params in trace.requests:
         scheduler.add_request(request_id, prompt, params, engine.eos_token_ids, 0.0)
     run = Run()
@@ -151,6 +156,7 @@ def drive(engine: LLMEngine, trace: Trace, ahead: bool) -> Run:
     assert not any(s.pending_sample for s in scheduler.running)
     assert scheduler.block_manager.usage == 0.0, "blocks left held at the end"
     run.preemptions = scheduler.num_preemptions
+    run.accepted = scheduler.spec_stats.num_accepted_tokens
     run.dropped_in_flight = scheduler.dropped_in_flight
     return run
 
@@ -169,6 +175,28 @@ def test_planning_ahead_gives_the_tokens_of_the_synchronous_order(engine: LLMEng
         assert async_.tokens[key] == sync.tokens[key], key
         assert async_.finish.get(key) == sync.finish.get(key), key
     assert set(async_.tokens) >= set(kept)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_speculation_within_planning_ahead_gives_the_same_greedy_tokens(
+    engine: LLMEngine, seed: int
+):
+    """Speculating sequences make the node schedule synchronously, the others plan ahead:
+    greedy requests (penalties, stop tokens, min_tokens, preemption, aborts among them) get
+    the tokens they get without speculation; sampled ones only need to end."""
+    trace = random_trace(seed, engine.runner.model_config.vocab_size)
+    plain = drive(engine, trace, ahead=True)
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+    speculating = drive(engine, trace, ahead=True, speculative=spec)
+    assert speculating.accepted > 0
+    aborted = set(trace.aborts.values())
+    greedy = {request_id for request_id, _, p in trace.requests if p.temperature == 0}
+    kept = [key for key in plain.tokens if key[0] in greedy - aborted]
+    assert kept
+    for key in kept:
+        assert speculating.tokens[key] == plain.tokens[key], key
+        assert speculating.finish.get(key) == plain.finish.get(key), key
+    assert set(speculating.finish) >= {k for k in plain.finish if k[0] not in aborted}
 
 
 def test_the_traces_reach_preemption_and_aborts_with_a_sample_in_flight(engine: LLMEngine):

@@ -14,6 +14,7 @@ from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.request_delta import RequestTimings
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.core.sequence import Request, Sequence, SequenceStatus
+from pagedllm.core.speculative import SpeculativeConfig
 from pagedllm.sampling_params import SamplingParams
 from tests.fake_worker import FakeWorker
 
@@ -33,13 +34,20 @@ def check_accounting(scheduler: Scheduler) -> None:
     # A waiting sequence holds nothing; finished ones are gone from both queues.
     for seq in scheduler.waiting:
         assert seq.blocks.ids == [] and seq.status == SequenceStatus.WAITING
+    bs = scheduler.config.block_size
     for seq in scheduler.running:
         assert seq.status == SequenceStatus.RUNNING
-        assert len(seq.blocks.ids) * scheduler.config.block_size >= seq.num_kv_tokens
+        assert len(seq.blocks.ids) * bs >= seq.num_kv_tokens
+        # Between steps no sequence holds blocks for tokens it does not have (rejected drafts
+        # gave theirs back), and only blocks of final, computed tokens are published.
+        assert len(seq.blocks.ids) <= -(-seq.num_tokens // bs)
+        assert seq.blocks.num_registered * bs <= min(seq.num_kv_tokens, seq.num_tokens)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     """Random requests (n > 1, beams, long prompts), aborts and steps on a tiny cache."""
+
+    speculative: SpeculativeConfig | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,6 +59,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_num_batched_tokens=16,
                 max_model_len=40,
                 enable_prefix_caching=True,
+                speculative=self.speculative,
             )
         )
         self.worker = FakeWorker(vocab=6, eos=0)
@@ -116,6 +125,21 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 
 
+class SpeculativeSchedulerMachine(SchedulerMachine):
+    """The same, with n-gram drafts (prompts of 5 token values repeat) accepted up to random
+    positions: the KV slots of rejected drafts go back and the accounting still holds."""
+
+    speculative = SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1
+    )
+
+
+TestSpeculativeSchedulerMachine = SpeculativeSchedulerMachine.TestCase
+TestSpeculativeSchedulerMachine.settings = settings(
+    max_examples=200, stateful_step_count=40, deadline=None
+)
+
+
 def _request(prompt: list[int], params: SamplingParams) -> Request:
     return Request("r", prompt, params, (), RequestTimings(0.0))
 
@@ -171,13 +195,14 @@ def test_fork_shares_and_copy_on_write_copies_partial_block() -> None:
     assert bm.take_copies() == []
 
 
+@pytest.mark.parametrize("machine_class", [SchedulerMachine, SpeculativeSchedulerMachine])
 @pytest.mark.parametrize("block", range(4))
-def test_random_traces_drain_completely(block: int) -> None:
+def test_random_traces_drain_completely(block: int, machine_class: type[SchedulerMachine]) -> None:
     # Long random traces (many requests on a tiny cache, beams among them) reach corners
     # such as a beam search whose siblings are preempted between its steps.
     for trial in range(block * 150, (block + 1) * 150):
         rng = random.Random(trial)
-        machine = SchedulerMachine()
+        machine = machine_class()
         for _ in range(rng.randint(1, 25)):
             roll = rng.random()
             if roll < 0.5:

@@ -311,7 +311,13 @@ CPU_TILE_CASES = [
     AttentionCase(4, 2, 64, 32, torch.float16, (1, 1, 1, 1), (1, 2, 95, 64), None),
     AttentionCase(10, 2, 80, 8, torch.float32, (1, 1), (77, 8), 9),
 ]
-CPU_CASES = RANDOMIZED_CASES + DECODE_CASES + SLIDING_WINDOW_CASES + CPU_TILE_CASES
+# Speculative decoding's verification steps (a token and its drafts per sequence) beside plain
+# decodes and a prefill chunk: the short steps run as decode rows of their own lengths.
+VERIFY_CASES = [
+    AttentionCase(9, 3, 64, 16, torch.float32, (5, 1, 3, 16, 17), (300, 40, 3, 64, 90), None),
+    AttentionCase(8, 2, 64, 16, torch.float32, (5, 5, 2), (100, 21, 30), 7),
+]
+CPU_CASES = RANDOMIZED_CASES + DECODE_CASES + SLIDING_WINDOW_CASES + CPU_TILE_CASES + VERIFY_CASES
 
 
 def test_cpu_kernels_build_with_the_system_compiler():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import kubernetes_validate
@@ -132,6 +133,20 @@ def test_serve_flags_follow_the_engine_spec() -> None:
     assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
     assert args[-2:] == ["--seed", "1"]
     assert "--max-model-len" not in args
+
+
+def test_speculative_decoding_reaches_the_serve_flag() -> None:
+    speculative = {"method": "ngram", "numSpeculativeTokens": 3, "promptLookupMin": 2}
+    spec = parse_spec({"model": {"servedName": "m"}, "engine": {"speculative": speculative}})
+    args = serve_args(spec, None)
+    flag = json.loads(args[args.index("--speculative-config") + 1])
+    assert flag == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 2,
+        "prompt_lookup_min": 2,
+    }
+    assert "--speculative-config" not in serve_args(parse_spec(SPECS["demo"]), None)
 
 
 def test_demo_model_has_no_model_flag_and_image_path_is_used_as_is() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm.core.speculative import SpeculativeConfig
 from pagedllm.operator.config import OperatorConfig
 from pagedllm.operator.spec import (
     InvalidSpec,
@@ -151,3 +152,41 @@ def test_the_operator_package_stays_light(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_speculative_decoding_is_checked_like_the_serve_flag() -> None:
+    base = {"model": {"servedName": "m"}}
+    spec = parse_spec(
+        base
+        | {
+            "engine": {
+                "speculative": {
+                    "method": "ngram",
+                    "numSpeculativeTokens": 4,
+                    "promptLookupMax": 4,
+                    "promptLookupMin": 2,
+                }
+            }
+        }
+    )
+    assert spec.engine.speculative == SpeculativeConfig("ngram", 4, 4, 2)
+    assert parse_spec(base).engine.speculative is None
+    for bad, message in [
+        ({"method": "medusa", "numSpeculativeTokens": 2}, "unknown method 'medusa'"),
+        ({"method": "ngram", "numSpeculativeTokens": 40}, "numSpeculativeTokens must be at most"),
+        (
+            {
+                "method": "ngram",
+                "numSpeculativeTokens": 2,
+                "promptLookupMin": 3,
+                "promptLookupMax": 2,
+            },
+            "promptLookupMin (3) must not exceed promptLookupMax (2)",
+        ),
+        ({"method": "ngram", "numSpeculativeTokens": 2, "draftModel": "x"}, "unknown fields"),
+        ("ngram", "must be an object"),
+    ]:
+        with pytest.raises(InvalidSpec) as error:
+            parse_spec(base | {"engine": {"speculative": bad}})
+        assert "spec.engine.speculative" in str(error.value)
+        assert message in str(error.value)

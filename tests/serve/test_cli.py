@@ -45,6 +45,23 @@ def test_help_lists_the_subcommands() -> None:
         (["--block-size", "512"], "block_size must be at most 256"),
         (["--tensor-parallel-size", "3"], "tensor-parallel size 3 does not divide"),
         (["--max-model-len", "4096"], "exceeds the model's max_position_embeddings (2048)"),
+        (["--speculative-config", "{ngram"], "speculative_config: not JSON"),
+        (
+            ["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+            "unknown method 'eagle'",
+        ),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'],
+            "num_speculative_tokens must be at most 16, got 99",
+        ),
+        (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
+                '"prompt_lookup_max": 2}',
+            ],
+            "prompt_lookup_min (3) must not exceed prompt_lookup_max (2)",
+        ),
     ],
 )
 def test_serve_refuses_bad_flags_before_starting_anything(args: list[str], message: str) -> None:
