@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pagedllm.core import reporting
 from pagedllm.core.beam_search import BeamSearch
 from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.kv_map import waste_fraction
 from pagedllm.core.reporting import SchedulerStats
 from pagedllm.core.request_delta import RequestDelta, RequestTimings
 from pagedllm.core.sequence import FinishReason, GrammarRef, Request, Sequence, SequenceStatus
@@ -154,6 +155,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            kv_waste=waste_fraction(self.running, bm),
+            kv_shared_blocks=bm.pool.num_shared,
         )
 
     # ----- scheduling ----------------------------------------------------------------------

@@ -173,6 +173,16 @@ class SchedulerMetrics:
         self.num_blocks = _gauge(
             "pagedllm:kv_cache_blocks", "KV-cache blocks the node holds.", model
         )
+        self.kv_waste = _gauge(
+            "pagedllm:kv_cache_waste_perc",
+            "Allocated KV slots holding no token, over allocated slots (0-1).",
+            model,
+        )
+        self.kv_shared = _gauge(
+            "pagedllm:kv_cache_shared_blocks",
+            "KV-cache blocks referenced by more than one sequence.",
+            model,
+        )
         self.step_duration = _histogram(
             "pagedllm:step_duration_seconds",
             "Model step as the scheduler sees it: plan sent to samples back.",
@@ -192,6 +202,8 @@ class SchedulerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
+        self.kv_waste.set(stats.kv_waste)
+        self.kv_shared.set(stats.kv_shared_blocks)
         for counter, total in (
             (self.prefix_queries, stats.prefix_queries),
             (self.prefix_hits, stats.prefix_hits),
