@@ -213,6 +213,8 @@ def serve_args(spec: PagedLLMSpec, model_path: str | None) -> list[str]:
         args += ["--kv-cache-memory", str(engine.kv_cache_memory_bytes)]
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
+    if spec.observability.otlp_endpoint is not None:
+        args += ["--otlp-traces-endpoint", spec.observability.otlp_endpoint]
     return args + list(engine.extra_args)
 
 

@@ -26,6 +26,7 @@ from prometheus_client import (
 if TYPE_CHECKING:
     # Type-only: the API servers import this module and need no part of the scheduler.
     from pagedllm.core.reporting import SchedulerStats
+    from pagedllm.serve.tracing import RequestTrace, RequestTracer
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LABEL = "model_name"
@@ -218,10 +219,12 @@ class SchedulerMetrics:
 
 
 class RequestRecorder:
-    """An API server's view: what each request it answered experienced."""
+    """An API server's view: what each request it answered experienced (and, with
+    ``--otlp-traces-endpoint``, each request's trace)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, tracer: RequestTracer | None = None) -> None:
         self.model = model
+        self.tracer = tracer
         self.success = Counter(
             "vllm:request_success",
             "Finished requests by finish reason.",
@@ -261,6 +264,10 @@ class RequestRecorder:
 
     def finished(self, reason: str) -> None:
         self.success.labels(self.model, reason).inc()
+
+    def trace(self, trace: RequestTrace) -> None:
+        if self.tracer is not None:
+            self.tracer.record(trace)
 
     def rejected_for(self, reason: str) -> None:
         self.rejected.labels(self.model, reason).inc()
