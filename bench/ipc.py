@@ -44,7 +44,9 @@ import httpx
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.ipc.messages import WATCH_LEASE_S
+from pagedllm.core.kv_map import take_map
+from pagedllm.ipc import messages
+from pagedllm.ipc.messages import KV_MAP_INTERVAL_S, WATCH_LEASE_S
 from pagedllm.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.serve.worker_process import torch_threads
@@ -77,7 +79,9 @@ def per_step_s(walls: dict[int, list[float]], tokens: int, short: int) -> float:
 class Node:
     """A `pagedllm serve` child process on a free port."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(
+        self, log_dir: Path, kv_cache_memory: int = KV_CACHE_MEMORY, extra: tuple[str, ...] = ()
+    ) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
@@ -95,7 +99,8 @@ class Node:
                     "--port",
                     str(self.port),
                     "--kv-cache-memory",
-                    str(KV_CACHE_MEMORY),
+                    str(kv_cache_memory),
+                    *extra,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -190,6 +195,25 @@ class Node:
         shutil.rmtree(self.log.parent, ignore_errors=True)
 
 
+def map_cost_s(batch: int, tokens: int) -> float:
+    """Median seconds the scheduler spends on one block map (building it and encoding the
+    message) with ``batch`` requests mid-decode, in this process."""
+    engine = LLMEngine(EngineConfig(kv_cache_memory=KV_CACHE_MEMORY))
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for prompt in prompts(batch):
+        engine.add_request(prompt, params)
+    for _ in range(tokens // 2):
+        engine.step()
+    s = engine.scheduler
+    times = []
+    for _ in range(200):
+        started = time.perf_counter()
+        stats = s.stats()
+        messages.encode(take_map(s.block_manager, s.running, stats.num_running, stats.num_waiting))
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def kv_page_cost(node: Node, batch: int, args: argparse.Namespace) -> dict[str, object]:
     """Per-step seconds with a block-map viewer and without, interleaved: each repeat runs
     both lengths both ways."""
@@ -212,6 +236,13 @@ def kv_page_cost(node: Node, batch: int, args: argparse.Namespace) -> dict[str, 
             steps[viewed].append(per_step_s(walls, args.tokens, args.short))
     with_page, without = statistics.median(steps[True]), statistics.median(steps[False])
     cost = with_page / without - 1
+    per_map = map_cost_s(batch, args.tokens)
+    # The scheduler's share of a second spent on maps at their highest rate.
+    share = per_map / KV_MAP_INTERVAL_S
+    print(
+        f"batch {batch}: one map costs the scheduler {per_map * 1e6:.0f} us (median of 200): "
+        f"{share:.3%} of its time at the highest rate ({1 / KV_MAP_INTERVAL_S:.0f} a second)"
+    )
     print(
         f"batch {batch}: decode step {without * 1e3:.2f} ms without a viewer of /kv, "
         f"{with_page * 1e3:.2f} ms with one ({cost:+.1%}; medians of {args.repeats} "
@@ -227,6 +258,8 @@ def kv_page_cost(node: Node, batch: int, args: argparse.Namespace) -> dict[str, 
         "median_with_page_s": with_page,
         "cost": cost,
         "maps_read": maps,
+        "map_cost_s": per_map,
+        "map_share_at_max_rate": share,
         "target": TARGET_PAGE_COST,
         "met": met,
     }
