@@ -1,5 +1,5 @@
 """``GET /kv``: the live block map, a page of plain HTML, CSS and JavaScript shipped in the
-package (files under ``kv_page/``), and its feed ``GET /kv/events`` (server-sent events, one
+package (files under ``kv_page_assets/``), and its feed ``GET /kv/events`` (server-sent events, one
 ``map`` event per map the scheduler sends, see ``kv_map``).
 
 A browser cannot put a bearer header on a page load or an EventSource, so with ``--api-key``
@@ -29,7 +29,7 @@ ASSETS = {"kv.js": "text/javascript", "kv.css": "text/css"}
 
 @cache
 def asset(name: str) -> bytes:
-    return resources.files("pagedllm.api").joinpath("kv_page", name).read_bytes()
+    return resources.files("pagedllm.api").joinpath("kv_page_assets", name).read_bytes()
 
 
 def on_page(path: str) -> bool:
