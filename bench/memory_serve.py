@@ -208,6 +208,7 @@ def main() -> None:
         **result,
         "targets": [t.to_json() for t in targets],
     }
+    print(f"\nwrote {common.write_json(args.name, data)}")
     fig, (ax,) = common.new_figure(width=7.0)
     ax.plot([100 * w for w in result["series"]["metric"]], label=f"/metrics {WASTE}")
     ax.set_xlabel(f"sample (every {SAMPLE_S * 1000:.0f} ms)")
@@ -216,7 +217,6 @@ def main() -> None:
     ax.set_title("KV waste of a running node, trace (a)")
     ax.legend(fontsize=8)
     common.save_figure(fig, args.name)
-    print(f"\nwrote {common.write_json(args.name, data)}")
 
 
 if __name__ == "__main__":
