@@ -33,6 +33,9 @@ serve: install
 	$(BIN)/pagedllm serve $(ARGS)
 
 test: install-test lint typecheck
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || echo "make test:" \
+	    "no Chromium browser or chromedriver found, so the block map's browser test" \
+	    "(tests/serve/test_serve_kv_page.py) is skipped; apt-get install chromium chromium-driver"
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 e2e: install-test

@@ -14,8 +14,13 @@ the worker's time on a step (from the plan's arrival, or the end of the step bef
 samples back). Target: the node adds at most 10 % at batch 32. ``--kv-events`` keeps a
 subscriber on the node's ``GET /v1/kv_events`` throughout, as a router would.
 
+``--kv-page`` measures instead what the block map costs the node: the same node's decode step
+with a viewer of ``GET /kv`` (its feed ``/kv/events`` read throughout) against none, runs
+interleaved, the median per-step time of each (after a viewer leaves, the run without waits
+for the scheduler's watch on the page to lapse). Target: within the noise (2 %) at batch 32.
+
     python bench/ipc.py [--tokens 64] [--short 8] [--repeats 7] [--batches 1 32] [--stream]
-        [--kv-events]
+        [--kv-events] [--kv-page]
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,12 +44,16 @@ import httpx
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_map import take_map
+from pagedllm.ipc import messages
+from pagedllm.ipc.messages import KV_MAP_INTERVAL_S, WATCH_LEASE_S
 from pagedllm.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.serve.worker_process import torch_threads
 
 KV_CACHE_MEMORY = 64 << 20
 TARGET_OVERHEAD = 0.10
+TARGET_PAGE_COST = 0.02
 
 
 def prompts(batch: int) -> list[str]:
@@ -69,7 +79,9 @@ def per_step_s(walls: dict[int, list[float]], tokens: int, short: int) -> float:
 class Node:
     """A `pagedllm serve` child process on a free port."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(
+        self, log_dir: Path, kv_cache_memory: int = KV_CACHE_MEMORY, extra: tuple[str, ...] = ()
+    ) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
@@ -87,7 +99,8 @@ class Node:
                     "--port",
                     str(self.port),
                     "--kv-cache-memory",
-                    str(KV_CACHE_MEMORY),
+                    str(kv_cache_memory),
+                    *extra,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -149,6 +162,22 @@ class Node:
         threading.Thread(target=read, daemon=True).start()
         return lines
 
+    def view_kv_page(self) -> tuple[threading.Event, list[int]]:
+        """Read the block map's feed in a thread until the returned event is set; the list
+        counts the maps read."""
+        stop, maps = threading.Event(), [0]
+
+        def read() -> None:
+            with httpx.stream("GET", f"{self.url}/kv/events", timeout=30) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    maps[0] += line.startswith("event: map")
+                    if stop.is_set():
+                        return
+
+        threading.Thread(target=read, daemon=True).start()
+        return stop, maps
+
     def scheduler_step_s(self) -> tuple[float, float]:
         """(sum, count) of the scheduler's plan-to-samples times so far."""
         values = {"sum": 0.0, "count": 0.0}
@@ -164,6 +193,76 @@ class Node:
         self.process.send_signal(signal.SIGTERM)
         self.process.wait(60)
         shutil.rmtree(self.log.parent, ignore_errors=True)
+
+
+def map_cost_s(batch: int, tokens: int) -> float:
+    """Median seconds the scheduler spends on one block map (building it and encoding the
+    message) with ``batch`` requests mid-decode, in this process."""
+    engine = LLMEngine(EngineConfig(kv_cache_memory=KV_CACHE_MEMORY))
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for prompt in prompts(batch):
+        engine.add_request(prompt, params)
+    for _ in range(tokens // 2):
+        engine.step()
+    s = engine.scheduler
+    times = []
+    for _ in range(200):
+        started = time.perf_counter()
+        stats = s.stats()
+        messages.encode(take_map(s.block_manager, s.running, stats.num_running, stats.num_waiting))
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def kv_page_cost(node: Node, batch: int, args: argparse.Namespace) -> dict[str, object]:
+    """Per-step seconds with a block-map viewer and without, interleaved: each repeat runs
+    both lengths both ways."""
+    steps: dict[bool, list[float]] = {True: [], False: []}
+    maps = 0
+    node.wall_s(batch, 4, args.stream)  # warm-up
+    for i in range(args.repeats):
+        for viewed in (True, False) if i % 2 == 0 else (False, True):
+            walls: dict[int, list[float]] = {}
+            stop = None
+            if viewed:
+                stop, counted = node.view_kv_page()
+                time.sleep(0.5)  # the watch reaches the scheduler
+            for n in (args.tokens, args.short):
+                walls[n] = [node.wall_s(batch, n, args.stream)]
+            if stop is not None:
+                stop.set()
+                maps += counted[0]
+                time.sleep(WATCH_LEASE_S + 0.5)  # the scheduler's watch lapses
+            steps[viewed].append(per_step_s(walls, args.tokens, args.short))
+    with_page, without = statistics.median(steps[True]), statistics.median(steps[False])
+    cost = with_page / without - 1
+    per_map = map_cost_s(batch, args.tokens)
+    # The scheduler's share of a second spent on maps at their highest rate.
+    share = per_map / KV_MAP_INTERVAL_S
+    print(
+        f"batch {batch}: one map costs the scheduler {per_map * 1e6:.0f} us (median of 200): "
+        f"{share:.3%} of its time at the highest rate ({1 / KV_MAP_INTERVAL_S:.0f} a second)"
+    )
+    print(
+        f"batch {batch}: decode step {without * 1e3:.2f} ms without a viewer of /kv, "
+        f"{with_page * 1e3:.2f} ms with one ({cost:+.1%}; medians of {args.repeats} "
+        f"interleaved runs; {maps} maps read)"
+    )
+    met = cost <= TARGET_PAGE_COST
+    print(f"target: within {TARGET_PAGE_COST:.0%}: {'met' if met else 'NOT met'}")
+    return {
+        "batch": batch,
+        "step_s_without": steps[False],
+        "step_s_with_page": steps[True],
+        "median_without_s": without,
+        "median_with_page_s": with_page,
+        "cost": cost,
+        "maps_read": maps,
+        "map_cost_s": per_map,
+        "map_share_at_max_rate": share,
+        "target": TARGET_PAGE_COST,
+        "met": met,
+    }
 
 
 def main() -> int:
@@ -182,9 +281,23 @@ def main() -> int:
         action="store_true",
         help="a subscriber reads the node's KV-events feed throughout",
     )
+    parser.add_argument(
+        "--kv-page",
+        action="store_true",
+        help="measure the node with a viewer of the block map (GET /kv) against none",
+    )
     args = parser.parse_args()
     if not 1 <= args.short < args.tokens:
         parser.error("--short must be at least 1 and below --tokens")
+    if args.kv_page:
+        node = Node(Path(tempfile.mkdtemp(prefix="pagedllm-bench-ipc-")))
+        try:
+            runs = [kv_page_cost(node, batch, args) for batch in args.batches]
+        finally:
+            node.close()
+        out = Path(__file__).parent / "results" / "ipc_kv_page.json"
+        out.write_text(json.dumps({"benchmark": "ipc --kv-page", "runs": runs}, indent=1))
+        return 0
 
     engine = LLMEngine(EngineConfig(kv_cache_memory=KV_CACHE_MEMORY))
     node = Node(Path(tempfile.mkdtemp(prefix="pagedllm-bench-ipc-")))

@@ -66,10 +66,15 @@ def live_seqs(scheduler) -> list:
 
 def filled_slots(seqs: list, block_size: int) -> tuple[int, int]:
     """(distinct blocks held, tokens with K/V in them) over the given sequences."""
+    return filled_tables([(s.num_kv_tokens, s.blocks.ids) for s in seqs], block_size)
+
+
+def filled_tables(tables: list[tuple[int, list[int]]], block_size: int) -> tuple[int, int]:
+    """(distinct blocks held, tokens with K/V in them) over block tables given as (tokens
+    with K/V, block ids); a block in several tables counts once, with its most tokens."""
     filled: dict[int, int] = {}
-    for seq in seqs:
-        kv = seq.num_kv_tokens
-        for i, block in enumerate(seq.blocks.ids):
+    for kv, ids in tables:
+        for i, block in enumerate(ids):
             n = max(0, min(block_size, kv - i * block_size))
             filled[block] = max(filled.get(block, 0), n)
     return len(filled), sum(filled.values())

@@ -215,6 +215,8 @@ def serve_args(spec: PagedLLMSpec, model_path: str | None) -> list[str]:
         args += ["--max-model-len", str(engine.max_model_len)]
     if engine.speculative is not None:
         args += ["--speculative-config", engine.speculative.to_json()]
+    if spec.observability.otlp_endpoint is not None:
+        args += ["--otlp-traces-endpoint", spec.observability.otlp_endpoint]
     return args + list(engine.extra_args)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
+from urllib.parse import urlsplit
 
 from pagedllm.core.speculative import SpeculativeConfig, parse_speculative_config
 
@@ -228,6 +229,12 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class ObservabilitySpec:
+    # An OTLP/HTTP collector for the pods' request traces (--otlp-traces-endpoint).
+    otlp_endpoint: str | None = None
+
+
+@dataclass(frozen=True)
 class SecretKeyRef:
     name: str
     key: str = "api-key"
@@ -249,6 +256,7 @@ class PagedLLMSpec:
     env: tuple[dict[str, Any], ...] = ()
     drain_timeout_seconds: int = 60
     router: RouterSpec = field(default_factory=RouterSpec)
+    observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
 
     @property
     def requests_gpus(self) -> bool:
@@ -401,7 +409,20 @@ def parse_spec(raw: Mapping[str, Any]) -> PagedLLMSpec:
         else None,
         env=tuple(raw.get("env") or ()),
         drain_timeout_seconds=_pick(raw, "drainTimeoutSeconds", 60, int, ""),
+        observability=parse_observability(_section(raw, "observability")),
     )
+
+
+def parse_observability(raw: Mapping[str, Any]) -> ObservabilitySpec:
+    endpoint = _pick(raw, "otlpEndpoint", None, str, "observability.")
+    if endpoint is not None:
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("http", "https") or not parts.netloc or " " in endpoint:
+            raise InvalidSpec(
+                f"spec.observability.otlpEndpoint: {endpoint!r} is not an http(s) URL of an "
+                "OTLP/HTTP collector (e.g. http://otel-collector.monitoring:4318)"
+            )
+    return ObservabilitySpec(otlp_endpoint=endpoint)
 
 
 def parse_router(raw: Mapping[str, Any]) -> RouterSpec:

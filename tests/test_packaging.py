@@ -92,6 +92,8 @@ def test_the_wheel_carries_every_module_the_data_files_and_the_kernel_source(tmp
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "pagedllm/kernels/csrc/paged_attention_cpu.cpp" in names
     assert any(n.startswith("pagedllm/models/data/") and n.endswith(".jinja") for n in names)
+    page = {"index.html", "login.html", "kv.js", "kv.css"}  # GET /kv
+    assert {f"pagedllm/api/kv_page_assets/{name}" for name in page} <= names
     expected = {
         module_of(p).replace(".", "/") + ("/__init__.py" if p.name == "__init__.py" else ".py")
         for p in source_files()

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__
+from pagedllm.api import kv_page
 from pagedllm.api.chat_template import ChatRendering
 from pagedllm.api.engine_client import NodeState
 from pagedllm.api.errors import ApiError, error_response, unavailable
@@ -62,16 +63,25 @@ ERROR_KINDS = {
 
 
 class ApiKeyMiddleware:
-    """Checks ``Authorization: Bearer <key>`` before the body is read."""
+    """Checks ``Authorization: Bearer <key>`` before the body is read (on the block map's
+    page, its files and feed, the key's cookie too: see ``kv_page``)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
+        self.api_key = api_key
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            page = kv_page.on_page(scope["path"])
+            if page and kv_page.cookie_matches(headers.get(b"cookie", b""), self.api_key):
+                given = self.expected
             if not hmac.compare_digest(given, self.expected):
+                if scope["path"] == kv_page.PAGE_PATH:
+                    await kv_page.login_page()(scope, receive, send)
+                    return
                 response = error_response(
                     ApiError(
                         401,
@@ -137,6 +147,7 @@ def build_app(ctx: ServingContext, api_key: str | None) -> FastAPI:
     _add_probes(app, ctx)
     _add_openai_routes(app, ctx)
     add_tokenize_routes(app, ctx)
+    kv_page.add_kv_page_routes(app, ctx)
     return app
 
 

@@ -2,7 +2,8 @@
 
 Requests go out on a PUSH socket; one task reads the server's inbox and routes each message
 to the queue of the HTTP request it belongs to. The inbox also carries the prefix cache's
-events, which keep the KV-events feed (``kv_events``), and the supervisor's orders, which set
+events, which keep the KV-events feed (``kv_events``), the block maps of ``GET /kv``
+(``kv_map``), and the supervisor's orders, which set
 the node state that ``/health`` reports.
 """
 
@@ -20,6 +21,8 @@ import zmq
 import zmq.asyncio
 
 from pagedllm.api.kv_events import KVEventFeed
+from pagedllm.api.kv_map import KVMapView
+from pagedllm.core.kv_map import KVMap
 from pagedllm.ipc import sockets
 from pagedllm.ipc.messages import (
     AbortRequest,
@@ -35,6 +38,7 @@ from pagedllm.ipc.messages import (
     RequestOutputs,
     RequestRejected,
     StopSequence,
+    WatchKVMap,
 )
 from pagedllm.sampling_params import SamplingParams
 
@@ -68,6 +72,7 @@ class EngineClient:
         self._control = sockets.push(self._sync_ctx, paths.control)
         self._inbox = sockets.pull(self._async_ctx, paths.api(index))
         self.kv_events = KVEventFeed()
+        self.kv_map = KVMapView(lambda: sockets.send(self._requests, WatchKVMap(self.index)))
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -76,6 +81,7 @@ class EngineClient:
         self._tasks = [
             loop.create_task(self._receive()),
             loop.create_task(self.kv_events.run_heartbeats()),
+            loop.create_task(self.kv_map.renew_watch()),
         ]
         for task in self._tasks:
             task.add_done_callback(_exit_if_failed)
@@ -155,6 +161,8 @@ class EngineClient:
                     self._deliver(delta.request_id, delta, delta.finished)
             elif isinstance(message, KVEvents):
                 self.kv_events.apply(message)
+            elif isinstance(message, KVMap):
+                self.kv_map.apply(message)
             elif isinstance(message, CacheLayout):
                 self.kv_events.set_layout(message)
             elif isinstance(message, RequestRejected):
@@ -175,6 +183,7 @@ class EngineClient:
                 self.state = NodeState.DRAINING
                 log.info("draining: %d requests in flight", self.in_flight)
                 self.kv_events.close()
+                self.kv_map.close()
                 self._report_idle()
         elif isinstance(order, DrainDeadline):
             self._cut_off(order)
@@ -194,6 +203,7 @@ class EngineClient:
         self.state = NodeState.FAILED
         self.failure = message.reason
         self.kv_events.close()
+        self.kv_map.close()
         log.error("the node failed: %s", message.reason)
         self._end_every_request(message)
 

@@ -23,6 +23,7 @@ from pagedllm.output.processor import RequestOutputState, TextDelta
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.serve.metrics import RequestRecorder
+from pagedllm.serve.tracing import RequestTrace
 
 # (prompt index, what its sequences added in one step)
 Step = tuple[int, list[TextDelta]]
@@ -198,5 +199,21 @@ class Generation:
             self.metrics.e2e.observe(now - request.arrival)
             if delta.timings is not None:
                 self.metrics.queue.observe(delta.timings.time_in_queue)
-            outputs = request.state.output().outputs
-            self.metrics.finished((outputs[0].finish_reason if outputs else None) or "abort")
+            output = request.state.output()
+            reason = (output.outputs[0].finish_reason if output.outputs else None) or "abort"
+            self.metrics.finished(reason)
+            if self.metrics.tracer is not None and delta.timings is not None:
+                self.metrics.trace(
+                    RequestTrace(
+                        request_id=request.request_id,
+                        model=self.metrics.model,
+                        timings=delta.timings,
+                        prompt_tokens=len(output.prompt_token_ids or []),
+                        completion_tokens=sum(len(o.token_ids) for o in output.outputs),
+                        n=self.params.n,
+                        max_tokens=self.params.max_tokens,
+                        temperature=self.params.temperature,
+                        top_p=self.params.top_p,
+                        finish_reason=reason,
+                    )
+                )

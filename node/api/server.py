@@ -60,6 +60,7 @@ class ApiServerSpec:
     limits: RequestLimits = field(default_factory=RequestLimits)
     tokenizer_dir: str = ""  # where the tokenizer is, when not in model_dir (--tokenizer)
     chat: ChatSettings = field(default_factory=ChatSettings)
+    otlp_traces_endpoint: str | None = None  # --otlp-traces-endpoint
 
 
 def encode_spec(spec: ApiServerSpec) -> bytes:
@@ -150,6 +151,11 @@ def run_api_server(spec: ApiServerSpec) -> int:
 
 
 async def _serve(spec: ApiServerSpec, sock: socket.socket, tokenizer: Any) -> None:
+    tracer = None
+    if spec.otlp_traces_endpoint:
+        from pagedllm.serve.tracing import RequestTracer
+
+        tracer = RequestTracer(spec.otlp_traces_endpoint)
     client = EngineClient(spec.ipc_paths, spec.index)
     client.start()
     ctx = ServingContext(
@@ -159,7 +165,7 @@ async def _serve(spec: ApiServerSpec, sock: socket.socket, tokenizer: Any) -> No
         model_dir=spec.model_dir,
         max_model_len=spec.max_model_len,
         vocab_size=spec.vocab_size,
-        metrics=RequestRecorder(spec.model_names[0]),
+        metrics=RequestRecorder(spec.model_names[0], tracer),
         limits=spec.limits,
         max_token_bytes=max_token_bytes(tokenizer),
         chat=spec.chat,
@@ -185,6 +191,8 @@ async def _serve(spec: ApiServerSpec, sock: socket.socket, tokenizer: Any) -> No
     finally:
         ready.cancel()
         client.close()
+        if tracer is not None:
+            tracer.shutdown()
 
 
 if __name__ == "__main__":

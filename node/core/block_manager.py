@@ -110,6 +110,7 @@ class BlockManager:
             self.prefix_hits += hit.num_tokens
             for block_id in hit.block_ids:
                 self.pool.acquire(block_id)
+                self.pool.blocks[block_id].reuses += 1
             table, seq.num_computed_tokens, seq.num_kv_tokens = self._layout(seq, hit)
             seq.blocks.ids = list(table)
             seq.blocks.num_registered = len(hit.block_ids)

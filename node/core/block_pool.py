@@ -15,6 +15,8 @@ class Block:
     # Hash of the block's full content once its KV is written; kept after the block is freed
     # (lazy eviction) so a later request can reuse it, dropped when the block is reallocated.
     content_hash: bytes | None = None
+    # Prefix-cache hits on this block's content since it was allocated (for the block map).
+    reuses: int = 0
 
 
 class BlockPool:
@@ -36,6 +38,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
         self.events: list[CacheEvent] | None = None
+        # Blocks whose reference count is above one, kept as references come and go.
+        self.num_shared = 0
 
     @property
     def num_blocks(self) -> int:
@@ -60,6 +64,7 @@ class BlockPool:
                     self.events.append((block.content_hash, None))
             block.content_hash = None
         block.ref_count = 1
+        block.reuses = 0
         return block_id
 
     def acquire(self, block_id: int) -> None:
@@ -67,6 +72,8 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self._free[block_id]
+        elif block.ref_count == 1:
+            self.num_shared += 1
         block.ref_count += 1
 
     def release(self, block_id: int) -> None:
@@ -76,6 +83,8 @@ class BlockPool:
         block.ref_count -= 1
         if block.ref_count == 0:
             self._free[block_id] = None
+        elif block.ref_count == 1:
+            self.num_shared -= 1
 
     def cached_block(self, content_hash: bytes) -> int | None:
         return self._by_hash.get(content_hash)
@@ -112,3 +121,14 @@ class BlockPool:
 
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
+
+    def cached_free(self) -> list[Block]:
+        """Free blocks whose content a new request could still reuse (evictable), in the
+        order they would be evicted."""
+        blocks, by_hash = self.blocks, self._by_hash
+        cached = []
+        for block_id in self._free:
+            h = blocks[block_id].content_hash
+            if h is not None and by_hash.get(h) == block_id:
+                cached.append(blocks[block_id])
+        return cached

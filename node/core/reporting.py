@@ -35,6 +35,10 @@ class SchedulerStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    # Allocated KV slots holding no token, over allocated slots (see ``kv_map``).
+    kv_waste: float
+    # Blocks referenced by more than one sequence.
+    kv_shared_blocks: int
     # None when speculative decoding is off.
     spec_decode: SpecDecodeStats | None = None
 

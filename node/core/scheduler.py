@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pagedllm.core import reporting
 from pagedllm.core.beam_search import BeamSearch
 from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.kv_map import waste_fraction
 from pagedllm.core.ngram_proposer import propose
 from pagedllm.core.reporting import SchedulerStats, SpecDecodeStats
 from pagedllm.core.request_delta import RequestDelta, RequestTimings
@@ -165,6 +166,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            kv_waste=waste_fraction(self.running, bm),
+            kv_shared_blocks=bm.pool.num_shared,
             spec_decode=None
             if self.config.speculative is None
             else replace(self.spec_stats, accepted_per_pos=list(self.spec_stats.accepted_per_pos)),

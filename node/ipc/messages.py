@@ -6,8 +6,10 @@ the class's wire form (see ``wire_codec``). A message with an unknown tag, anoth
 payload that does not fit raises ``WireError``; receivers log and drop it.
 
 Who sends what:
-- API server -> scheduler: AddRequest, AbortRequest, StopSequence
-- scheduler -> API server: RequestOutputs, RequestRejected; to every API server:
+- API server -> scheduler: AddRequest, AbortRequest, StopSequence, WatchKVMap (while a page
+  shows the block map, at least every ``WATCH_LEASE_S / 3``)
+- scheduler -> API server: RequestOutputs, RequestRejected; KVMap while it watches (at most
+  one per ``KV_MAP_INTERVAL_S``, see ``serve.kv_map_sender``); to every API server:
   CacheLayout once, then KVEvents each step the prefix cache or the load changed, and at
   least once a second when idle (the KV-events feed, see ``api.kv_events``)
 - scheduler -> workers: StepPlan; worker rank 0 -> scheduler: WorkerReady, StepResult,
@@ -26,6 +28,7 @@ from typing import Any
 import msgpack
 
 from pagedllm.core.kv_events import KVUpdate, NodeLoad
+from pagedllm.core.kv_map import KVMap
 from pagedllm.core.request_delta import RequestDelta
 from pagedllm.core.step_plan import StepPlan, StepResult
 from pagedllm.ipc.codec import WireError, decoder, encoder
@@ -60,6 +63,19 @@ class StopSequence:
     request_id: str
     index: int
     stop: str
+
+
+@dataclass
+class WatchKVMap:
+    """API server ``client_index`` shows the block map: send it KVMaps until
+    ``WATCH_LEASE_S`` pass without another WatchKVMap."""
+
+    client_index: int
+
+
+# How long one WatchKVMap keeps the maps coming, and the least time between two maps.
+WATCH_LEASE_S = 3.0
+KV_MAP_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -154,10 +170,12 @@ Message = (
     AddRequest
     | AbortRequest
     | StopSequence
+    | WatchKVMap
     | RequestOutputs
     | RequestRejected
     | CacheLayout
     | KVEvents
+    | KVMap
     | WorkerReady
     | StepRefused
     | ProcessReady
@@ -194,6 +212,8 @@ SCHEMAS: dict[str, Schema] = {
         _typed("request_rejected", RequestRejected, 1),
         _typed("cache_layout", CacheLayout, 1),
         _typed("kv_events", KVEvents, 1),
+        _typed("watch_kv_map", WatchKVMap, 1),
+        _typed("kv_map", KVMap, 1),
         _typed("worker_ready", WorkerReady, 2),
         _typed("step_refused", StepRefused, 1),
         _typed("process_ready", ProcessReady, 1),

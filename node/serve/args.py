@@ -47,6 +47,7 @@ class ServeArgs:
     async_scheduling: bool
     log_level: str
     chat: ChatSettings = field(default_factory=ChatSettings)
+    otlp_traces_endpoint: str | None = None
 
 
 def _integer(text: str, expected: str) -> int:
@@ -54,6 +55,16 @@ def _integer(text: str, expected: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+def otlp_endpoint(text: str) -> str:
+    from pagedllm.serve.tracing import traces_url
+
+    try:
+        traces_url(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text.strip()
 
 
 def positive_int(text: str) -> int:
@@ -159,6 +170,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"require `Authorization: Bearer KEY` on the API (default: "
         f"${API_KEY_ENV} if set, else no key)",
+    )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        type=otlp_endpoint,
+        default=None,
+        metavar="URL",
+        help="send a trace of every request to this OTLP/HTTP collector (e.g. "
+        "http://collector:4318; the path /v1/traces is added to a URL without one)",
     )
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
@@ -385,4 +404,5 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
         async_scheduling=ns.async_scheduling,
         log_level=ns.log_level,
         chat=chat_settings(ns, parser),
+        otlp_traces_endpoint=ns.otlp_traces_endpoint,
     )

@@ -26,6 +26,7 @@ from prometheus_client import (
 if TYPE_CHECKING:
     # Type-only: the API servers import this module and need no part of the scheduler.
     from pagedllm.core.reporting import SchedulerStats
+    from pagedllm.serve.tracing import RequestTrace, RequestTracer
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LABEL = "model_name"
@@ -173,6 +174,16 @@ class SchedulerMetrics:
         self.num_blocks = _gauge(
             "pagedllm:kv_cache_blocks", "KV-cache blocks the node holds.", model
         )
+        self.kv_waste = _gauge(
+            "pagedllm:kv_cache_waste_perc",
+            "Allocated KV slots holding no token, over allocated slots (0-1).",
+            model,
+        )
+        self.kv_shared = _gauge(
+            "pagedllm:kv_cache_shared_blocks",
+            "KV-cache blocks referenced by more than one sequence.",
+            model,
+        )
         self.step_duration = _histogram(
             "pagedllm:step_duration_seconds",
             "Model step as the scheduler sees it: plan sent to samples back.",
@@ -208,6 +219,8 @@ class SchedulerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
+        self.kv_waste.set(stats.kv_waste)
+        self.kv_shared.set(stats.kv_shared_blocks)
         for counter, total in (
             (self.prefix_queries, stats.prefix_queries),
             (self.prefix_hits, stats.prefix_hits),
@@ -237,10 +250,12 @@ class SchedulerMetrics:
 
 
 class RequestRecorder:
-    """An API server's view: what each request it answered experienced."""
+    """An API server's view: what each request it answered experienced (and, with
+    ``--otlp-traces-endpoint``, each request's trace)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, tracer: RequestTracer | None = None) -> None:
         self.model = model
+        self.tracer = tracer
         self.success = Counter(
             "vllm:request_success",
             "Finished requests by finish reason.",
@@ -280,6 +295,10 @@ class RequestRecorder:
 
     def finished(self, reason: str) -> None:
         self.success.labels(self.model, reason).inc()
+
+    def trace(self, trace: RequestTrace) -> None:
+        if self.tracer is not None:
+            self.tracer.record(trace)
 
     def rejected_for(self, reason: str) -> None:
         self.rejected.labels(self.model, reason).inc()

@@ -7,7 +7,8 @@ one worker) the plan of the next step is sent before the samples of the current 
 its new tokens standing in as placeholders the worker fills in, so the worker never waits for
 this process; otherwise the next plan goes out as soon as the samples are in, before the
 outputs are encoded. With nothing to do it waits on its inbox. After each step, and while it
-waits, it sends the API servers the prefix cache's changes and the load (``kv_event_sender``).
+waits, it sends the API servers the prefix cache's changes and the load (``kv_event_sender``),
+and the block map to those that show it (``kv_map_sender``).
 
 A node that cannot make progress fails loudly: a step the workers refuse, a step whose results
 are overdue (``StepDeadline``) or results that cannot belong to the step end this process after
@@ -43,12 +44,14 @@ from pagedllm.ipc.messages import (
     RequestRejected,
     StepRefused,
     StopSequence,
+    WatchKVMap,
     WorkerReady,
 )
 from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.serve.child_process import setup_child
 from pagedllm.serve.grammar_intake import Compiled, GrammarIntake
 from pagedllm.serve.kv_event_sender import HEARTBEAT_S, KVEventSender
+from pagedllm.serve.kv_map_sender import KVMapSender
 from pagedllm.serve.metrics import SchedulerMetrics
 from pagedllm.structured.compiler import GrammarCompiler, tokenizer_info
 
@@ -133,6 +136,7 @@ class SchedulerLoop:
             self.api_servers,
             CacheLayout(config.block_size, config.seed, config.num_blocks),
         )
+        self.kv_map = KVMapSender(self.scheduler, self.api_servers)
 
     def _grammar_compiler(self) -> GrammarCompiler | None:
         if self.spec.tokenizer_dir is None:
@@ -171,6 +175,7 @@ class SchedulerLoop:
         stats = self.scheduler.stats()
         self.metrics.observe(stats)
         self.kv_events.publish(stats)
+        self.kv_map.publish(stats)
 
     def _wait_for_requests(self) -> None:
         """Wait until an API server sends something, reporting the idle node meanwhile; with
@@ -263,6 +268,11 @@ class SchedulerLoop:
                 elif self.scheduler.abort(message.request_id):
                     self.clients.pop(message.request_id, None)
                     self.outputs.forget(message.request_id)
+            elif isinstance(message, WatchKVMap):
+                if not self.kv_map.watch(message.client_index):
+                    log.warning(
+                        "ignored a block-map watch from unknown API server %d", message.client_index
+                    )
             elif isinstance(message, StopSequence):
                 final = self.scheduler.stop_sequence(
                     message.request_id, message.index, message.stop

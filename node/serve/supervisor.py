@@ -266,6 +266,7 @@ class Supervisor:
                 args.request_limits,
                 tokenizer_dir=args.tokenizer_dir,
                 chat=args.chat,
+                otlp_traces_endpoint=args.otlp_traces_endpoint,
             )
             self.children.append(Child("api_server", index, ApiServerProcess(spec)))
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.kv_map import take_map, waste_slots
 from pagedllm.core.request_delta import RequestTimings
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.core.sequence import Request, Sequence, SequenceStatus
@@ -31,6 +32,8 @@ def check_accounting(scheduler: Scheduler) -> None:
         assert block.ref_count == holders.get(block.block_id, 0), block
         assert pool.is_free(block.block_id) == (block.ref_count == 0)
     assert pool.num_free == sum(1 for b in pool.blocks if b.ref_count == 0)
+    assert pool.num_shared == sum(1 for b in pool.blocks if b.ref_count > 1)
+    check_map(scheduler)
     # A waiting sequence holds nothing; finished ones are gone from both queues.
     for seq in scheduler.waiting:
         assert seq.blocks.ids == [] and seq.status == SequenceStatus.WAITING
@@ -42,6 +45,35 @@ def check_accounting(scheduler: Scheduler) -> None:
         # gave theirs back), and only blocks of final, computed tokens are published.
         assert len(seq.blocks.ids) <= -(-seq.num_tokens // bs)
         assert seq.blocks.num_registered * bs <= min(seq.num_kv_tokens, seq.num_tokens)
+
+
+def check_map(scheduler: Scheduler) -> None:
+    """The block map and the waste metric agree with a count over every block held."""
+    manager = scheduler.block_manager
+    pool, bs = manager.pool, manager.block_size
+    filled: dict[int, int] = {}
+    for seq in scheduler.running:
+        for i, block in enumerate(seq.blocks.ids):
+            n = max(0, min(bs, seq.num_kv_tokens - i * bs))
+            filled[block] = max(filled.get(block, 0), n)
+    assert len(filled) == pool.num_used
+    assert waste_slots(scheduler.running, bs) == pool.num_used * bs - sum(filled.values())
+    stats = scheduler.stats()
+    kv_map = take_map(manager, scheduler.running, stats.num_running, stats.num_waiting)
+    assert {b for s in kv_map.seqs for b in s.block_ids} == set(filled)
+    assert kv_map.num_used == pool.num_used and kv_map.totals.waste_slots == waste_slots(
+        scheduler.running, bs
+    )
+    shared = {b.block_id: b.ref_count for b in pool.blocks if b.ref_count > 1}
+    assert dict(zip(kv_map.shared_ids, kv_map.shared_refs, strict=True)) == shared
+    assert stats.kv_shared_blocks == len(shared)
+    cached = kv_map.cached_ids
+    assert all(pool.is_free(b) for b in cached) and len(set(cached)) == len(cached)
+    for b in cached:
+        h = pool.blocks[b].content_hash
+        assert h is not None and pool.cached_block(h) == b
+    holders = [pool.cached_block(h) for h in pool.cached_hashes]
+    assert len(cached) == sum(1 for b in holders if b is not None and pool.is_free(b))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -159,6 +191,14 @@ def test_prefix_hit_reuses_blocks_and_recomputes_only_last_token() -> None:
     assert second.num_computed_tokens == 7 and second.num_kv_tokens == 8
     assert bm.pool.num_used == 2
     assert bm.prefix_hits == 8 and bm.prefix_queries == 16
+    assert [bm.pool.blocks[b].reuses for b in hit.block_ids] == [1, 1]
+    assert bm.pool.num_shared == 2
+    bm.free(second)
+    assert bm.pool.num_shared == 0
+    bm.free(first)
+    cached = bm.pool.cached_free()
+    assert [b.block_id for b in cached] == list(reversed(hit.block_ids))  # tail first
+    assert [b.reuses for b in cached] == [1, 1]
 
 
 def test_freed_blocks_keep_hash_until_reused_tail_first() -> None:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from pagedllm.core.block_manager import block_hash, root_hash
 from pagedllm.core.kv_events import HASH_BYTES, KVUpdate, NodeLoad
+from pagedllm.core.kv_map import SHOWN_HASH_BYTES, KVMap, MapTotals, SeqBlocks
 from pagedllm.core.step_plan import SeqSample, StepPlan, StepResult
 from pagedllm.ipc import messages
 from pagedllm.ipc.codec import WireError
@@ -77,6 +78,38 @@ def seq_samples(draw: st.DrawFn) -> SeqSample:
 
 block_hashes = st.binary(min_size=HASH_BYTES, max_size=HASH_BYTES)
 
+
+@st.composite
+def kv_maps(draw: st.DrawFn) -> KVMap:
+    """Block ids within the pool, columns of matching lengths, as ``KVMap`` checks."""
+    n = draw(st.integers(1, 64))
+    ids = st.lists(st.integers(0, n - 1), max_size=6)
+    seqs = draw(
+        st.lists(
+            st.builds(SeqBlocks, st.text(max_size=8), st.integers(0, 8), st.integers(0, 99), ids),
+            max_size=3,
+        )
+    )
+    shared = draw(ids)
+    cached = draw(ids)
+    return KVMap(
+        num_blocks=n,
+        block_size=draw(st.integers(1, 64)),
+        num_used=draw(st.integers(0, n)),
+        seqs=seqs,
+        shared_ids=shared,
+        shared_refs=[draw(st.integers(2, 9)) for _ in shared],
+        cached_ids=cached,
+        cached_hashes=draw(
+            st.binary(
+                min_size=len(cached) * SHOWN_HASH_BYTES, max_size=len(cached) * SHOWN_HASH_BYTES
+            )
+        ),
+        cached_reuses=[draw(st.integers(0, 9)) for _ in cached],
+        totals=draw(values_of(MapTotals)),
+    )
+
+
 # Classes whose constructor or wire form constrains their fields beyond their type hints.
 CONSTRAINED: dict[type, st.SearchStrategy[Any]] = {
     SamplingParams: sampling_params(),
@@ -92,6 +125,7 @@ CONSTRAINED: dict[type, st.SearchStrategy[Any]] = {
         waiting=st.integers(0, INT64_MAX),
         kv_usage=st.floats(0.0, 1.0),
     ),
+    KVMap: kv_maps(),
     messages.CacheLayout: st.builds(
         messages.CacheLayout,
         block_size=st.integers(1, INT64_MAX),

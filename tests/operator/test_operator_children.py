@@ -149,6 +149,19 @@ def test_speculative_decoding_reaches_the_serve_flag() -> None:
     assert "--speculative-config" not in serve_args(parse_spec(SPECS["demo"]), None)
 
 
+def test_the_otlp_endpoint_reaches_the_serving_container() -> None:
+    raw = {**SPECS["demo"], "observability": {"otlpEndpoint": "http://otel.monitoring:4318"}}
+    container = build_deployment(OWNER, parse_spec(raw), 1)["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    args = container["args"]
+    assert args[args.index("--otlp-traces-endpoint") + 1] == "http://otel.monitoring:4318"
+    plain = build_deployment(OWNER, parse_spec(SPECS["demo"]), 1)
+    assert (
+        "--otlp-traces-endpoint" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+
+
 def test_demo_model_has_no_model_flag_and_image_path_is_used_as_is() -> None:
     demo = build_deployment(OWNER, parse_spec(SPECS["demo"]), 1)
     assert "--model" not in demo["spec"]["template"]["spec"]["containers"][0]["args"]

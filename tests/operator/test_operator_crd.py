@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from e2e.emulator import crd_validation
-from pagedllm.operator.spec import parse_model_uri, parse_spec
+from pagedllm.operator.spec import InvalidSpec, parse_model_uri, parse_spec
 from tests.operator.operator_harness import SAMPLES, load_crd
 
 CRD = load_crd()
@@ -117,11 +117,32 @@ def test_operator_defaults_are_the_schema_defaults() -> None:
         ({"router": {"holdTimeoutSeconds": 0}}, "0 is less than the minimum of 1"),
         ({"router": {"enabled": "no"}}, "'no' is not of type 'boolean'"),
         ({"router": {"resources": {"requests": {"cpu": "fast"}}}}, "does not match"),
+        ({"observability": {"otlpEndpoint": "collector:4318"}}, "does not match"),
+        ({"observability": {"otlpEndpoint": 4318}}, "is not of type 'string'"),
     ],
 )
 def test_invalid_specs_are_rejected(spec: dict[str, Any], message: str) -> None:
     found = errors(resource(**spec))
     assert any(message in e for e in found), found
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["http://otel-collector.monitoring:4318", "https://otel.example.com/v1/traces"],
+)
+def test_otlp_endpoints_the_schema_and_the_operator_both_accept(endpoint: str) -> None:
+    obj = resource(observability={"otlpEndpoint": endpoint})
+    assert errors(obj) == []
+    spec = parse_spec(crd_validation.apply_defaults(SCHEMA, obj)["spec"])
+    assert spec.observability.otlp_endpoint == endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["collector:4318", "ftp://collector", "http://"])
+def test_otlp_endpoints_the_schema_and_the_operator_both_refuse(endpoint: str) -> None:
+    obj = resource(observability={"otlpEndpoint": endpoint})
+    assert errors(obj) != []
+    with pytest.raises(InvalidSpec, match="observability.otlpEndpoint"):
+        parse_spec(obj["spec"])
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,7 @@ def test_renders_the_whole_install(rendered: list[dict[str, Any]]) -> None:
             "ClusterRole",
             "ClusterRoleBinding",
             "Deployment",
+            "ConfigMap",  # the Grafana dashboard
         ]
     )
     binding = by_kind(rendered, "ClusterRoleBinding")

@@ -1,0 +1,172 @@
+"""The Grafana dashboard of ``manifests/grafana``: every query parses as PromQL and names only
+metrics that a running node or router exports (read from their real ``/metrics``), and the
+kustomize base ships it as a ConfigMap Grafana's sidecar picks up."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import promql_parser
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedllm.config import resolve_model_dir
+from tests.router.router_harness import ready_backends, start_router, wait_for
+from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "manifests" / "grafana" / "pagedllm-dashboard.json"
+# Grafana's template query function, which is not PromQL.
+LABEL_VALUES = re.compile(r"label_values\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*,")
+# AST nodes holding sub-expressions, by attribute; leaves hold none.
+CHILDREN = ("args", "expr", "lhs", "rhs", "param", "vector_selector")
+LEAVES = {"NumberLiteral", "StringLiteral"}
+
+
+def dashboard() -> dict[str, Any]:
+    value: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return value
+
+
+def panels(items: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for panel in items:
+        yield panel
+        yield from panels(panel.get("panels", []))
+
+
+def queries() -> list[str]:
+    return [t["expr"] for p in panels(dashboard()["panels"]) for t in p.get("targets", [])]
+
+
+def metric_names(node: Any) -> set[str]:
+    """The metric names an expression's selectors name."""
+    kind = type(node).__name__
+    if kind == "VectorSelector":
+        assert node.name, f"a selector without a metric name: {node}"
+        return {node.name}
+    names: set[str] = set()
+    found = False
+    for attribute in CHILDREN:
+        child = getattr(node, attribute, None)
+        if child is None:
+            continue
+        found = True
+        for item in child if isinstance(child, list) else [child]:
+            names |= metric_names(item)
+    assert found or kind in LEAVES, f"an expression node this test does not know: {kind}"
+    return names
+
+
+def used_names() -> set[str]:
+    names: set[str] = set()
+    for expr in queries():
+        names |= metric_names(promql_parser.parse(expr))
+    for variable in dashboard()["templating"]["list"]:
+        query = variable.get("definition") or ""
+        names |= set(LABEL_VALUES.findall(query))
+    return names
+
+
+def exported(url: str) -> set[str]:
+    """Every series name ``url``'s /metrics exports, and the ones its declared families
+    would (a labelled counter or histogram nothing has counted yet shows only its family)."""
+    names: set[str] = set()
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        names |= {s.name for s in family.samples}
+        suffixes = {
+            "counter": ("_total",),
+            "histogram": ("_bucket", "_sum", "_count"),
+            "gauge": ("",),
+        }.get(family.type, ())
+        names |= {family.name + s for s in suffixes}
+    return names
+
+
+def test_every_query_parses_and_the_dashboard_covers_the_issue() -> None:
+    exprs = queries()
+    assert len(exprs) >= 20
+    for expr in exprs:
+        promql_parser.parse(expr)  # raises on a query Grafana's Prometheus would refuse
+    titles = {p["title"] for p in panels(dashboard()["panels"])}
+    for wanted in (
+        "Throughput",
+        "Time to first token",
+        "Inter-token latency",
+        "Queue depth",
+        "KV usage and waste",
+        "Prefix cache hit rate",
+        "Preemptions",
+        "Routed requests",
+    ):
+        assert wanted in titles
+    text = " ".join(exprs)
+    assert "histogram_quantile(0.99" in text and "pagedllm:kv_cache_waste_perc" in text
+
+
+def test_the_walker_finds_every_selector() -> None:
+    expr = 'sum(rate(a_total{x="1"}[5m])) / on() group_left b + -c offset 5m'
+    assert metric_names(promql_parser.parse(expr)) == {"a_total", "b", "c"}
+
+
+def test_the_kustomize_base_ships_the_dashboard_for_grafanas_sidecar() -> None:
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(REPO / "manifests")],
+        text=True,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    (config_map,) = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "ConfigMap"]
+    assert config_map["metadata"]["labels"] == {"grafana_dashboard": "1"}
+    assert json.loads(config_map["data"]["pagedllm-dashboard.json"]) == dashboard()
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(tmp_path_factory.mktemp("dashboard-node"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory, node: Server) -> Iterator[Server]:
+    server = start_router(
+        tmp_path_factory.mktemp("dashboard-router"), resolve_model_dir(None), [node.url]
+    )
+    yield server
+    server.stop()
+
+
+def test_every_metric_the_dashboard_reads_is_exported(node: Server, router: Server) -> None:
+    wait_for(lambda: ready_backends(router) == 1, router, "the node's feed")
+    client = router.client()
+    client.completions.create(model=DEMO_MODEL, prompt="Harbour log, day one:", max_tokens=8, n=2)
+    stream = client.chat.completions.create(
+        model=DEMO_MODEL,
+        messages=[{"role": "user", "content": "Name three ports."}],
+        max_tokens=8,
+        stream=True,
+    )
+    assert sum(1 for _ in stream) > 1
+    refused = httpx.post(  # the grammar does not compile: counted as rejected by the node
+        f"{router.url}/v1/completions",
+        json={
+            "model": DEMO_MODEL,
+            "prompt": "Quay:",
+            "max_tokens": 1,
+            "structured_outputs": {"regex": "(a"},
+        },
+        timeout=30,
+    )
+    assert refused.status_code == 400 and "regex" in refused.text, refused.text
+    names = exported(node.url) | exported(router.url)
+    missing = sorted(used_names() - names)
+    assert not missing, f"the dashboard reads metrics nothing exports: {missing}"
