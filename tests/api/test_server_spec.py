@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import fields
 
 import msgpack
 import pytest
@@ -41,7 +42,10 @@ def test_a_spec_arrives_as_it_was_sent() -> None:
     ("data", "message"),
     [
         (b"\xc1", "not msgpack"),
-        (msgpack.packb(["too", "short"]), "ApiServerSpec as a list of 15 fields"),
+        (
+            msgpack.packb(["too", "short"]),
+            f"ApiServerSpec as a list of {len(fields(ApiServerSpec))} fields",
+        ),
         (
             msgpack.packb(
                 [
@@ -60,6 +64,7 @@ def test_a_spec_arrives_as_it_was_sent() -> None:
                     [1, 1, 1],
                     "",
                     [None, False, None],
+                    None,
                 ]
             ),
             "port",

@@ -6,6 +6,8 @@ with n = 4, a system prompt several requests share), and the pool back to free w
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +22,12 @@ from tests.serve.kv_feed_reader import FeedReader
 from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
 
 KEY = "kv-page-key"
-SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "kv_map.png"
+# Where the test leaves its screenshot: a run's own folder, or the README's image when
+# PAGEDLLM_KV_SCREENSHOT names it (PAGEDLLM_KV_SCREENSHOT=docs/kv_map.png refreshes it).
+SCREENSHOT = Path(
+    os.environ.get("PAGEDLLM_KV_SCREENSHOT")
+    or Path(tempfile.gettempdir()) / f"pagedllm-kv-map-{os.getpid()}.png"
+)
 SYSTEM = (
     "You are the dispatcher of a harbour. Every answer names the quay, the vessel, the cargo "
     "and the hour, in that order, and never more than two sentences. Ships come from Lisbon, "
