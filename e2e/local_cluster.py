@@ -31,6 +31,7 @@ import yaml
 
 from e2e.cluster_autoscaler_standin import ClusterAutoscalerStandin, NodeGroup, Timers
 from e2e.deployment_standin import DeploymentStandin
+from e2e.emulator.requests import REQUESTS_PATH
 from e2e.endpointslice_standin import EndpointSliceStandin
 from e2e.kubelet_standin import LOOPBACK, KubeletStandin, free_port, process_group_members
 from e2e.polling import eventually
@@ -343,6 +344,15 @@ class LocalCluster:
         response = httpx.get(self.server + path, timeout=10, trust_env=False)
         if response.status_code == 404:
             return None
+        response.raise_for_status()
+        return response.json()
+
+    def requests(self, since: int = 0, agents: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The emulator's count of the requests it served (see e2e.emulator.requests)."""
+        params: list[tuple[str, str | int]] = [("since", since), *(("agent", a) for a in agents)]
+        response = httpx.get(
+            self.server + REQUESTS_PATH, params=params, timeout=10, trust_env=False
+        )
         response.raise_for_status()
         return response.json()
 

@@ -28,11 +28,20 @@ from e2e.client_checks import MAX_TOKENS, KeepStreaming, Load, StreamStats, run_
 from e2e.client_checks import client as openai_client
 from e2e.cluster_autoscaler_standin import ClusterAutoscalerStandin, NodeGroup, Timers
 from e2e.deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
+from e2e.emulator.requests import MUTATING_METHODS
 from e2e.gitops_standin import GitOpsStandin
 from e2e.kubelet_standin import HOST_PORTS_ANNOTATION
-from e2e.local_cluster import GPU_GROUP, NAMESPACE, REPO, LocalCluster, eventually
+from e2e.local_cluster import (
+    FAST_OPERATOR_ENV,
+    GPU_GROUP,
+    NAMESPACE,
+    REPO,
+    LocalCluster,
+    eventually,
+)
 from e2e.scheduler_standin import node_gpus
 from pagedllm.operator.autoscaler import parse_prometheus_value
+from pagedllm.operator.kube import FIELD_MANAGER
 
 SCENARIO = REPO / "e2e" / "demo-pagedllm.yaml"
 NAME = "demo"
@@ -46,6 +55,9 @@ PLLM = f"/apis/pagedllm.io/v1alpha1/namespaces/{NAMESPACE}/pagedllms/{NAME}"
 PODS = f"/api/v1/namespaces/{NAMESPACE}/pods"
 # The autoscaling phase: a batch of two makes queue depth easy to reach on the demo model.
 ROLLOUT_MAX_NUM_SEQS = 2
+QUIET_RESYNCS = 3
+# The operator's User-Agents: its own API client's and kopf's (watches, its own patches).
+OPERATOR_AGENTS = (FIELD_MANAGER, "kopf/")
 # Scale to zero when idle, and back from zero on the next request (held by the routers).
 AUTOSCALING = {
     "minReplicas": 0,
@@ -248,6 +260,12 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         every_pod_answers(cluster, base_url)
 
     with steps(
+        f"at steady state, over {QUIET_RESYNCS} resyncs: no mutating request by the operator "
+        "(counted at the emulator)"
+    ):
+        operator_is_quiet(cluster, steps)
+
+    with steps(
         f"change spec.engine.maxNumSeqs to {ROLLOUT_MAX_NUM_SEQS}: a rolling update "
         "while a client keeps streaming"
     ):
@@ -342,6 +360,19 @@ def operator_autoscaling(cluster: LocalCluster, base_url: str, steps: Steps) -> 
             eventually(lambda: scaled_to_zero(cluster), timeout=120, what="back to zero")
             steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
     return gitops
+
+
+def operator_is_quiet(cluster: LocalCluster, steps: Steps) -> None:
+    """The operator's requests (its own client's and kopf's) over a few resyncs of a settled
+    PagedLLM: reads only."""
+    start = cluster.requests()["total"]
+    time.sleep(QUIET_RESYNCS * float(FAST_OPERATOR_ENV["PAGEDLLM_OPERATOR_RESYNC_SECONDS"]) + 0.5)
+    seen = cluster.requests(since=start, agents=OPERATOR_AGENTS)["counts"]
+    writes = {key: n for key, n in seen.items() if key.split()[0] in MUTATING_METHODS}
+    reads = sum(n for key, n in seen.items() if key.split()[0] not in MUTATING_METHODS)
+    steps.say(f"   the operator: {reads} reads, {sum(writes.values())} writes")
+    assert reads >= QUIET_RESYNCS, f"the operator did not resync: {seen}"
+    assert not writes, f"the operator wrote at steady state: {writes}"
 
 
 def patch_spec(cluster: LocalCluster, spec: dict[str, Any]) -> None:

@@ -47,7 +47,11 @@ def counts(records: list[RecordedRequest]) -> dict[str, int]:
     return dict(Counter(f"{r.verb} {r.path}" for r in records))
 
 
-def summary(log: RequestLog, since: int = 0) -> dict[str, object]:
-    """What GET /emulator/requests?since=N answers: the count so far (the next `since`) and
-    the requests after index N by verb and path."""
-    return {"total": len(log), "counts": counts(log.since(since))}
+def summary(log: RequestLog, since: int = 0, agents: tuple[str, ...] = ()) -> dict[str, object]:
+    """What GET /emulator/requests?since=N[&agent=PREFIX...] answers: the count so far (the
+    next `since`) and the requests after index N by verb and path, only those whose
+    User-Agent starts with one of `agents` when any is given."""
+    records = log.since(since)
+    if agents:
+        records = [r for r in records if r.agent.startswith(agents)]
+    return {"total": len(log), "counts": counts(records)}

@@ -325,7 +325,8 @@ class EmulatorServer:
                 since = int(request.query.get("since", "0"))
             except ValueError:
                 raise bad_request("since must be an integer") from None
-            return _json(summary(self.requests, since))
+            agents = tuple(request.query.getall("agent", []))
+            return _json(summary(self.requests, since, agents))
         if path == "/openapi/v2":
             return self._openapi_v2(request)
         if path == "/openapi/v3":
