@@ -463,7 +463,7 @@ def outgrow_the_nodes(
         messages = [
             c["message"]
             for p in pods(cluster)
-            for c in p["status"].get("conditions") or []
+            for c in (p.get("status") or {}).get("conditions") or []
             if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
         ]
         body = pagedllm(cluster)
@@ -639,7 +639,9 @@ def every_pod_answers(cluster: LocalCluster, base_url: str) -> None:
 
 
 def restarts(pod: dict[str, Any]) -> int:
-    return sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or [])
+    return sum(
+        c.get("restartCount", 0) for c in (pod.get("status") or {}).get("containerStatuses") or []
+    )
 
 
 def kill_a_router(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
