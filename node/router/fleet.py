@@ -26,9 +26,8 @@ class Backend:
     # None until the feed's snapshot arrives, and again whenever the feed is lost.
     residency: Residency | None = None
     feed_load: Load | None = None
-    in_flight: int = 0
     # This router's requests in flight there by their prompt's placement key (the policy's
-    # per-prompt load bound).
+    # per-prompt load bound); their sum is ``in_flight``.
     prompts: Counter[bytes] = field(default_factory=Counter, repr=False)
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -38,14 +37,17 @@ class Backend:
 
     def enter(self, key: bytes) -> None:
         """A request with placement key ``key`` left for this backend."""
-        self.in_flight += 1
         self.prompts[key] += 1
 
     def leave(self, key: bytes) -> None:
-        self.in_flight -= 1
         self.prompts[key] -= 1
         if self.prompts[key] <= 0:
             del self.prompts[key]
+
+    @property
+    def in_flight(self) -> int:
+        """This router's requests at the node, not yet seen to finish."""
+        return self.prompts.total()
 
     @property
     def load(self) -> int:
