@@ -290,6 +290,7 @@ _SPECULATIVE_KEYS = {
     "numSpeculativeTokens": "num_speculative_tokens",
     "promptLookupMax": "prompt_lookup_max",
     "promptLookupMin": "prompt_lookup_min",
+    "disableByBatchSize": "disable_by_batch_size",
 }
 
 

@@ -177,7 +177,16 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """The next step, made with every sample in: decoding sequences may draft."""
-        return self._schedule(drafting=self.config.speculative is not None)
+        return self._schedule(drafting=self._speculating())
+
+    def _speculating(self) -> bool:
+        """Whether steps draft now: speculation is on and the node holds no more requests
+        than its ``disable_by_batch_size`` (vLLM's rule)."""
+        spec = self.config.speculative
+        if spec is None:
+            return False
+        most = spec.disable_by_batch_size
+        return most is None or len(self.running) + len(self.waiting) <= most
 
     def _schedule(self, drafting: bool) -> StepPlan:
         for request in self._beams.settle(self.running):
@@ -284,8 +293,9 @@ class Scheduler:
         # Speculation meets async scheduling here: drafts continue known tokens, which a
         # placeholder is not, so while any running sequence would draft the node schedules
         # synchronously (no plan ahead: the next plan is made with every sample in). Sequences
-        # pausing their drafts, or never drafting, let the node plan ahead again.
-        if self.config.speculative is not None and any(self._may_draft(s) for s in self.running):
+        # pausing their drafts, or never drafting, or a batch too large to draft, let the node
+        # plan ahead again.
+        if self._speculating() and any(self._may_draft(s) for s in self.running):
             return None
         by_id = {s.seq_id: s for s in self.running}
         for seq_id, _ in in_flight.scheduled:

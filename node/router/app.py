@@ -4,12 +4,14 @@ API server's own pieces), with completions and chat forwarded to the backend the
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -133,15 +135,16 @@ async def _backend_models(state: RouterState, request: Request) -> dict[str, Any
     """A ready backend's own ``/v1/models``, which names what the nodes really serve."""
     for backend in state.router.fleet.ready():
         try:
-            answer = await state.forwarder.client.get(
+            async with state.forwarder.client.get(
                 backend.url + "/v1/models",
                 headers=state.forwarder.auth_headers(),
-                timeout=MODELS_TIMEOUT_S,
-            )
-        except httpx.HTTPError:
+                timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S),
+            ) as answer:
+                if answer.status != 200:
+                    continue
+                value = json.loads(await answer.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             continue
-        if answer.status_code == 200:
-            value = answer.json()
-            if isinstance(value, dict) and isinstance(value.get("data"), list):
-                return value
+        if isinstance(value, dict) and isinstance(value.get("data"), list):
+            return value
     return None

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from pagedllm.router.feed_messages import FeedError, Snapshot, Update, hashes, parse_line
 from pagedllm.router.fleet import Backend, Fleet
@@ -28,7 +29,7 @@ RETRY_LAST_S = 2.0
 class FeedFollower:
     """Subscribes backends to their feeds over one shared HTTP client."""
 
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     headers: dict[str, str]
     silence_s: float = SILENCE_S
 
@@ -40,7 +41,7 @@ class FeedFollower:
             try:
                 await self._follow(backend, fleet)
                 error = "the feed ended"
-            except (httpx.HTTPError, FeedError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, FeedError) as exc:
                 error = str(exc) or type(exc).__name__
             finally:
                 was_ready = backend.ready
@@ -55,15 +56,14 @@ class FeedFollower:
             delay = min(delay * 2, RETRY_LAST_S)
 
     async def _follow(self, backend: Backend, fleet: Fleet) -> None:
-        timeout = httpx.Timeout(self.silence_s)  # read: the longest silence between lines
+        # sock_read: the longest silence between lines.
+        timeout = aiohttp.ClientTimeout(sock_connect=self.silence_s, sock_read=self.silence_s)
         url = backend.url + FEED_PATH
-        async with self.client.stream(
-            "GET", url, headers=self.headers, timeout=timeout
-        ) as response:
-            if response.status_code != 200:
-                raise FeedError(f"{url} answered HTTP {response.status_code}")
+        async with self.client.get(url, headers=self.headers, timeout=timeout) as response:
+            if response.status != 200:
+                raise FeedError(f"{url} answered HTTP {response.status}")
             expected: int | None = None
-            async for line in response.aiter_lines():
+            async for line in lines_of(response.content.iter_any()):
                 if not line.strip():
                     continue
                 was_ready = backend.ready
@@ -71,6 +71,23 @@ class FeedFollower:
                 if not was_ready:
                     log.info("backend %s ready", backend.url)
                     fleet.notify()
+
+
+async def lines_of(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    """The lines of a stream of ``chunks``, however long: a snapshot line holds every cached
+    block, and aiohttp's own line reader refuses lines over twice its read buffer."""
+    parts: list[bytes] = []
+    async for chunk in chunks:
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            parts.append(chunk[start:end])
+            yield b"".join(parts)
+            parts.clear()
+            start = end + 1
+        if start < len(chunk):
+            parts.append(chunk[start:])
+    if parts:
+        yield b"".join(parts)
 
 
 def apply_line(backend: Backend, message: Snapshot | Update, expected: int | None) -> int:

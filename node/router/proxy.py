@@ -9,12 +9,14 @@ node and frees its blocks.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -36,10 +38,12 @@ class UpstreamResponse(Response):
     """Relays a backend's streaming answer; closes it (and so aborts the request upstream)
     however the relay ends, and then calls each of ``on_close`` once."""
 
-    def __init__(self, upstream: httpx.Response, on_close: Callable[[], None]) -> None:
-        super().__init__(status_code=upstream.status_code)
+    def __init__(self, upstream: aiohttp.ClientResponse, on_close: Callable[[], None]) -> None:
+        super().__init__(status_code=upstream.status)
         self.raw_headers = [
-            (k.encode(), v.encode()) for k, v in upstream.headers.items() if k in RELAYED_HEADERS
+            (k.lower().encode(), v.encode())
+            for k, v in upstream.headers.items()
+            if k.lower() in RELAYED_HEADERS
         ]
         self.upstream = upstream
         self.on_close = [on_close]
@@ -47,26 +51,32 @@ class UpstreamResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await unless_disconnected(self._relay(send), receive)
-        except (OSError, httpx.HTTPError) as error:
+        except (OSError, aiohttp.ClientError) as error:
             # The client went away mid-write, or the backend mid-answer: the answer stays cut.
             log.info("relay from %s ended early: %s", self.upstream.url, error)
         finally:
             for callback in self.on_close:
                 callback()
-            await self.upstream.aclose()
+            # Read to its end, the connection goes back to the pool; cut short, closing it
+            # is what aborts the request at the node.
+            if self.upstream.content.at_eof():
+                self.upstream.release()
+            else:
+                self.upstream.close()
 
     async def _relay(self, send: Send) -> None:
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
-        async for chunk in self.upstream.aiter_raw():
+        # Whatever has arrived, as it arrives: an SSE event is never held back for the next.
+        async for chunk in self.upstream.content.iter_any():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 @dataclass
 class Forwarder:
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     fleet: Fleet
     metrics: RouterMetrics
     api_key: str | None
@@ -98,15 +108,14 @@ class Forwarder:
             backend.enter(key)
             handed_over = False
             try:
-                upstream_request = self.client.build_request(
-                    "POST", url + request.url.path, content=body, headers=self._headers(request)
-                )
                 on_sent()
-                send = self.client.send(upstream_request, stream=True)
+                send = self.client.post(
+                    url + request.url.path, data=body, headers=self._headers(request)
+                )
                 upstream = await unless_disconnected(send, request.receive)
                 if upstream is None:
                     return Response(status_code=CLIENT_CLOSED)
-                if upstream.status_code == 503:
+                if upstream.status == 503:
                     last_503 = await _read_error(upstream)
                     self.metrics.upstream_errors.labels(url, "unavailable").inc()
                     refusals.append(f"{url} answered 503")
@@ -117,10 +126,10 @@ class Forwarder:
                     backend.leave(key)
 
                 return UpstreamResponse(upstream, done)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
                 self.metrics.upstream_errors.labels(url, "connect").inc()
                 refusals.append(f"{url}: {error or type(error).__name__}")
-            except httpx.HTTPError as error:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
                 # It may have reached the node: not retried, so it never runs twice.
                 self.metrics.upstream_errors.labels(url, "broken").inc()
                 return error_response(
@@ -153,12 +162,11 @@ def _error_message(body: dict[str, Any] | None) -> str | None:
     return message if isinstance(message, str) else None
 
 
-async def _read_error(upstream: httpx.Response) -> dict[str, Any] | None:
+async def _read_error(upstream: aiohttp.ClientResponse) -> dict[str, Any] | None:
     try:
-        await upstream.aread()
-        value = upstream.json()
+        value = json.loads(await upstream.read())
         return value if isinstance(value, dict) else None
-    except (httpx.HTTPError, ValueError):
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
     finally:
-        await upstream.aclose()
+        upstream.release()

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-import httpx
+import aiohttp
 import uvicorn
 
 from pagedllm.api import event_loop
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 BackendSource = Callable[[Callable[[list[str]], None]], Awaitable[None]]
 # Seconds open connections get once the drain is over (or its deadline passed).
 CONNECTIONS_GRACE_S = 1
+# How long opening a connection to a node may take before it counts as refused.
+CONNECT_TIMEOUT_S = 5.0
 # How often the drain looks at what is still in flight.
 DRAIN_POLL_S = 0.05
 
@@ -142,11 +144,7 @@ async def _serve(
     args: RouterArgs, ctx: TokenizingContext, sources: Sequence[BackendSource]
 ) -> None:
     auth = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    # No read timeout on answers: a generation may take minutes between its bytes' arrival.
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(None, connect=5.0),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-    )
+    client = new_client_session()
     fleet = Fleet(FeedFollower(client, auth))
     metrics = RouterMetrics(fleet)
     state = RouterState(
@@ -177,4 +175,17 @@ async def _serve(
         for watcher in watchers:
             watcher.cancel()
         await fleet.close()
-        await client.aclose()
+        await client.close()
+
+
+def new_client_session() -> aiohttp.ClientSession:
+    """The one HTTP client of the router's requests to the nodes: aiohttp, whose C parser
+    costs the relay of a streamed token about half of what a pure-Python client does."""
+    return aiohttp.ClientSession(
+        # No read timeout on answers: a generation may take minutes between its bytes.
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
+        # No limit on connections; idle ones kept below the nodes' 30 s keep-alive.
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=15),
+        # Clients' cookies are theirs: none is kept between requests.
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )

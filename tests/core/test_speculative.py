@@ -95,7 +95,9 @@ def test_bad_settings_say_what_is_wrong(value: object, message: str) -> None:
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
 
 
-def scheduler(num_blocks: int = 16, max_model_len: int = 64) -> Scheduler:
+def scheduler(
+    num_blocks: int = 16, max_model_len: int = 64, spec: SpeculativeConfig = SPEC
+) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             num_blocks=num_blocks,
@@ -103,7 +105,7 @@ def scheduler(num_blocks: int = 16, max_model_len: int = 64) -> Scheduler:
             max_num_seqs=4,
             max_num_batched_tokens=64,
             max_model_len=max_model_len,
-            speculative=SPEC,
+            speculative=spec,
         )
     )
 
@@ -190,3 +192,39 @@ def test_drafts_without_free_blocks_are_dropped_not_preempting() -> None:
     plan, _ = step(s, lambda i, d: [3])
     assert plan.drafts == {} and plan.num_tokens == 1
     assert s.num_preemptions == 0
+
+
+def test_disable_by_batch_size_defaults_to_16_and_null_means_never() -> None:
+    base = {"method": "ngram", "num_speculative_tokens": 2}
+    default = parse_speculative_config(base)
+    assert default is not None and default.disable_by_batch_size == 16
+    never = parse_speculative_config(base | {"disable_by_batch_size": None})
+    assert never is not None and never.disable_by_batch_size is None
+    assert parse_speculative_config(never.to_json()) == never
+    with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
+        parse_speculative_config(base | {"disable_by_batch_size": 0})
+
+
+@pytest.mark.parametrize(("most", "requests", "drafts"), [(2, 2, True), (2, 3, False)])
+def test_no_drafts_while_more_requests_than_disable_by_batch_size(
+    most: int, requests: int, drafts: bool
+) -> None:
+    """Above the bound every sequence steps one token at a time, and the node plans ahead
+    again (async scheduling); at it, each drafts."""
+    spec = SpeculativeConfig(
+        num_speculative_tokens=4,
+        prompt_lookup_max=3,
+        prompt_lookup_min=1,
+        disable_by_batch_size=most,
+    )
+    s = scheduler(num_blocks=64, spec=spec)
+    for i in range(requests):
+        s.add_request(f"r{i}", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
+    step(s, lambda i, d: [2])  # the prefills: each has output [2]
+    plan = s.schedule()
+    assert len(plan.scheduled) == requests
+    assert bool(plan.drafts) == drafts
+    if drafts:
+        assert len(plan.drafts) == requests
+    else:
+        assert s.schedule_ahead(plan) is not None

@@ -136,7 +136,12 @@ def test_serve_flags_follow_the_engine_spec() -> None:
 
 
 def test_speculative_decoding_reaches_the_serve_flag() -> None:
-    speculative = {"method": "ngram", "numSpeculativeTokens": 3, "promptLookupMin": 2}
+    speculative = {
+        "method": "ngram",
+        "numSpeculativeTokens": 3,
+        "promptLookupMin": 2,
+        "disableByBatchSize": 8,
+    }
     spec = parse_spec({"model": {"servedName": "m"}, "engine": {"speculative": speculative}})
     args = serve_args(spec, None)
     flag = json.loads(args[args.index("--speculative-config") + 1])
@@ -145,6 +150,7 @@ def test_speculative_decoding_reaches_the_serve_flag() -> None:
         "num_speculative_tokens": 3,
         "prompt_lookup_max": 2,
         "prompt_lookup_min": 2,
+        "disable_by_batch_size": 8,
     }
     assert "--speculative-config" not in serve_args(parse_spec(SPECS["demo"]), None)
 

@@ -10,7 +10,9 @@ the prefix the node would hit for any prompt.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 from hypothesis import given, settings
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 from pagedllm.core.block_manager import BlockManager, root_hash
 from pagedllm.core.request_delta import RequestTimings
 from pagedllm.core.sequence import Request, Sequence
-from pagedllm.router.feed import apply_line
+from pagedllm.router.feed import apply_line, lines_of
 from pagedllm.router.feed_messages import FeedError, parse_line
 from pagedllm.router.fleet import Backend
 from pagedllm.router.hashing import HashScheme, block_hashes
@@ -191,3 +193,45 @@ SNAPSHOT = {
 def test_malformed_lines_are_refused_with_the_reason(line: str, reason: str) -> None:
     with pytest.raises(FeedError, match=reason):
         parse_line(line)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lines=st.lists(st.binary(max_size=300).map(lambda b: b.replace(b"\n", b"")), max_size=6),
+    cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=12),
+    ends_open=st.booleans(),
+)
+def test_feed_lines_survive_any_chunking(
+    lines: list[bytes], cuts: list[int], ends_open: bool
+) -> None:
+    """However the stream is cut into chunks, the lines come out whole and in order, a last
+    line without its newline included."""
+    stream = b"".join(line + b"\n" for line in lines)
+    if ends_open and lines:
+        stream = stream[:-1]
+    points = sorted({min(c, len(stream)) for c in cuts} | {0, len(stream)})
+    chunks = [stream[a:b] for a, b in zip(points, points[1:], strict=False)]
+
+    async def gather() -> list[bytes]:
+        async def source() -> AsyncIterator[bytes]:
+            for chunk in chunks:
+                yield chunk
+
+        return [line async for line in lines_of(source())]
+
+    expected = lines[:-1] + ([lines[-1]] if lines[-1] or not ends_open else []) if lines else []
+    assert asyncio.run(gather()) == expected
+
+
+def test_a_snapshot_line_larger_than_aiohttp_reads_is_whole() -> None:
+    line = b"x" * (3 << 20)
+
+    async def gather() -> list[bytes]:
+        async def source() -> AsyncIterator[bytes]:
+            data = line + b"\nnext\n"
+            for start in range(0, len(data), 65536):
+                yield data[start : start + 65536]
+
+        return [line async for line in lines_of(source())]
+
+    assert asyncio.run(gather()) == [line, b"next"]

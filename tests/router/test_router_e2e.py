@@ -28,6 +28,7 @@ from pagedllm.router.prompts import routing_tokens
 from pagedllm.router.proxy import Forwarder
 from pagedllm.router.residency import Residency
 from pagedllm.router.routing import Router, RoutingSettings
+from pagedllm.router.server import new_client_session
 from tests.router.router_harness import ready_backends, start_router, wait_for
 from tests.serve.serve_harness import DEMO_MODEL, Server, free_port, start_server
 from tests.serve.test_serve_lifecycle import TORCH_LIBRARY, mapped_files
@@ -322,7 +323,7 @@ def test_a_refusing_node_is_skipped_before_the_first_byte(
         fleet.backends[dead_url].residency = Residency(scheme, set(block_hashes(tokens, scheme)))
         fleet.backends[live.url].residency = Residency(scheme)
         metrics = RouterMetrics(fleet)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5)) as client:
+        async with new_client_session() as client:
             state = RouterState(
                 ctx=tokenizing,
                 router=Router(fleet, RoutingSettings(), metrics),
@@ -405,7 +406,7 @@ def test_the_feed_reports_the_hashes_the_router_computes(
         assert answer.status_code == 200, answer.text
 
     async def scenario() -> tuple[list[int], list[int], list[str], list[str]]:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5)) as client:
+        async with new_client_session() as client:
             fleet = Fleet(FeedFollower(client, {"authorization": f"Bearer {KEY}"}))
             fleet.set_backends([n.url for n in nodes])
             ready = await fleet.wait_ready(60)
