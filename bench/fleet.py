@@ -75,6 +75,11 @@ class Process:
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
         return sums
 
+    def cpu_seconds(self) -> float:
+        """CPU time the process has used so far (user and system)."""
+        fields = Path(f"/proc/{self.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         if self.popen.poll() is None:
             os.killpg(self.popen.pid, signal.SIGTERM)
@@ -240,46 +245,72 @@ class LoadResult:
         }
 
 
+async def one_request(client: Any, prompt: str, output_len: int, result: LoadResult) -> None:
+    """One streamed completion, its time to first token and tokens counted in ``result``."""
+    start = time.perf_counter()
+    first = None
+    try:
+        stream = await client.completions.create(
+            model="bench",
+            prompt=prompt,
+            max_tokens=output_len,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            if chunk.choices:  # a token (its text may still be empty)
+                if first is None:
+                    first = time.perf_counter() - start
+                result.output_tokens += 1
+        if first is not None:
+            result.ttft_s.append(first)
+    except Exception as error:  # noqa: BLE001 - every failure counts, and is shown
+        result.errors += 1
+        print(f"  request failed: {error}", flush=True)
+
+
+def openai_client(url: str) -> Any:
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=1800, max_retries=0)
+
+
 async def closed_loop(
     url: str, prompts: list[str], concurrency: int, output_len: int
 ) -> LoadResult:
     """``concurrency`` clients, each sending the next prompt as soon as its last one ended."""
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=1800, max_retries=0)
+    client = openai_client(url)
     result = LoadResult()
     queue = list(reversed(prompts))
 
     async def one_client() -> None:
         while queue:
-            prompt = queue.pop()
-            start = time.perf_counter()
-            first = None
-            try:
-                stream = await client.completions.create(
-                    model="bench",
-                    prompt=prompt,
-                    max_tokens=output_len,
-                    temperature=0,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
-                async for chunk in stream:
-                    if chunk.choices:  # a token (its text may still be empty)
-                        if first is None:
-                            first = time.perf_counter() - start
-                        result.output_tokens += 1
-                if first is not None:
-                    result.ttft_s.append(first)
-            except Exception as error:  # noqa: BLE001 - every failure counts, and is shown
-                result.errors += 1
-                print(f"  request failed: {error}", flush=True)
+            await one_request(client, queue.pop(), output_len, result)
 
     begin = time.perf_counter()
     await asyncio.gather(*(one_client() for _ in range(concurrency)))
     result.elapsed_s = time.perf_counter() - begin
     await client.close()
     return result
+
+
+async def taking_turns(
+    urls: dict[str, str], prompts: list[str], output_len: int
+) -> dict[str, LoadResult]:
+    """One request at a time, the targets taking turns: what drifts on the machine during
+    the run weighs on each the same."""
+    clients = {name: openai_client(url) for name, url in urls.items()}
+    results = {name: LoadResult() for name in urls}
+    names = list(urls)
+    for i, prompt in enumerate(prompts):
+        name = names[i % len(names)]
+        begin = time.perf_counter()
+        await one_request(clients[name], prompt, output_len, results[name])
+        results[name].elapsed_s += time.perf_counter() - begin
+    for client in clients.values():
+        await client.close()
+    return results
 
 
 def routed_by_reason(router: Process) -> dict[str, float]:
@@ -392,17 +423,36 @@ def part_c(args, model, tokenizer, workdir) -> dict[str, Any]:
     rows: dict[str, list[dict[str, Any]]] = {}
     try:
         router = start_router(model, [node], "prefix", workdir)
+        targets = {"direct": node.url, "router": router.url}
         try:
             rng = random.Random(11)
             for run in range(args.overhead_runs):
                 for concurrency in args.overhead_concurrency:
-                    count = max(args.overhead_min_requests, 2 * concurrency)
-                    for target, url in (("direct", node.url), ("router", router.url)):
-                        prompts = random_texts(tokenizer, count, args.overhead_len, rng)
-                        # Warm the connections and the path first.
-                        asyncio.run(closed_loop(url, prompts[:concurrency], concurrency, 4))
-                        load = asyncio.run(closed_loop(url, prompts, concurrency, args.output_len))
+                    count = max(args.overhead_min_requests, 4 * concurrency)
+                    for url in targets.values():  # warm the connections and the path first
+                        warm = random_texts(tokenizer, concurrency, args.overhead_len, rng)
+                        asyncio.run(closed_loop(url, warm, concurrency, 4))
+                    cpu_before = router.cpu_seconds()
+                    if concurrency == 1:
+                        # Request by request in turn: a drift of the machine's speed within
+                        # the run weighs on both alike.
+                        prompts = random_texts(tokenizer, 2 * count, args.overhead_len, rng)
+                        results = asyncio.run(taking_turns(targets, prompts, args.output_len))
+                    else:
+                        # Run by run, each run starting with the other target than the last.
+                        order = list(targets) if run % 2 == 0 else list(reversed(targets))
+                        results = {}
+                        for target in order:
+                            prompts = random_texts(tokenizer, count, args.overhead_len, rng)
+                            results[target] = asyncio.run(
+                                closed_loop(targets[target], prompts, concurrency, args.output_len)
+                            )
+                    for target, load in results.items():
                         row = load.summary() | {"run": run, "concurrency": concurrency}
+                        if target == "router":
+                            # Over the block, the direct requests' time included.
+                            used = router.cpu_seconds() - cpu_before
+                            row["router_cpu_ms_per_request"] = 1e3 * used / len(load.ttft_s)
                         rows.setdefault(f"{target}@{concurrency}", []).append(row)
                         print(f"(c) run {run} {target} c={concurrency}: {row}", flush=True)
         finally:
@@ -426,6 +476,7 @@ def part_c(args, model, tokenizer, workdir) -> dict[str, Any]:
             "direct_tokens_per_s": d_tput,
             "router_tokens_per_s": r_tput,
             "throughput_loss": 1 - r_tput / d_tput,
+            "router_cpu_ms_per_request": med(r["router_cpu_ms_per_request"] for r in routed),
         }
     return {"runs": rows, "summary": summary}
 
@@ -540,7 +591,12 @@ def main() -> None:
     parser.add_argument("--overhead-concurrency", default="1,32")
     parser.add_argument("--overhead-runs", type=int, default=3)
     parser.add_argument("--overhead-len", type=int, default=64)
-    parser.add_argument("--overhead-min-requests", type=int, default=16)
+    parser.add_argument(
+        "--overhead-min-requests",
+        type=int,
+        default=32,
+        help="(c): requests per target and run, at least (and 4 times the concurrency)",
+    )
     parser.add_argument("--name", default="fleet")
     args = parser.parse_args()
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -608,6 +664,7 @@ def main() -> None:
                     "direct tok/s",
                     "router tok/s",
                     "loss",
+                    "router CPU ms/request",
                 ],
                 [
                     [
@@ -618,6 +675,7 @@ def main() -> None:
                         s["direct_tokens_per_s"],
                         s["router_tokens_per_s"],
                         f"{s['throughput_loss']:.1%}",
+                        s["router_cpu_ms_per_request"],
                     ]
                     for c, s in data["overhead"]["summary"].items()
                 ],
