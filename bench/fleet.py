@@ -139,9 +139,16 @@ def wait_healthy(process: Process) -> None:
 
 
 def start_nodes(
-    args: argparse.Namespace, model: Path, count: int, kv_tokens: int, workdir: Path, tag: str
+    args: argparse.Namespace,
+    model: Path,
+    count: int,
+    kv_tokens: int,
+    workdir: Path,
+    tag: str,
+    cores: list[int] | None = None,
 ) -> list[Process]:
-    cores = sorted(os.sched_getaffinity(0))
+    """``count`` nodes sharing ``cores`` (default: all this process may use)."""
+    cores = cores or sorted(os.sched_getaffinity(0))
     threads = max(1, len(cores) // count)
     kv_bytes = kv_tokens * common.kv_bytes_per_token(model)
     nodes = []
@@ -166,7 +173,12 @@ def start_nodes(
 
 
 def start_router(
-    model: Path, nodes: list[Process], policy: str, workdir: Path, load_bound: float | None = None
+    model: Path,
+    nodes: list[Process],
+    policy: str,
+    workdir: Path,
+    load_bound: float | None = None,
+    cores: set[int] | None = None,
 ) -> Process:
     argv = [
         "router",
@@ -180,7 +192,7 @@ def start_router(
         policy,
         *(["--load-bound", str(load_bound)] if load_bound is not None else []),
     ]
-    router = launch(f"router-{policy}", argv, workdir, None, 1)
+    router = launch(f"router-{policy}", argv, workdir, cores, 1)
     wait_healthy(router)
     deadline = time.monotonic() + 120
     while router.metrics().get("pagedllm:router_backend_ready", 0) < len(nodes):
@@ -419,10 +431,18 @@ def part_b(args, model, tokenizer, workdir) -> dict[str, Any]:
 
 def part_c(args, model, tokenizer, workdir) -> dict[str, Any]:
     per_prompt = args.overhead_len + args.output_len
-    (node,) = start_nodes(args, model, 1, 64 * per_prompt, workdir, "overhead")
+    cores = sorted(os.sched_getaffinity(0))
+    node_cores = router_cores = None
+    if args.overhead_cores == "split" and len(cores) > 1:
+        # As in a cluster, where router pods have cores of their own: the node on all cores
+        # but the first, the router and this load generator on the first. The node then runs
+        # on the same cores whether it is called directly or through the router.
+        node_cores, router_cores = cores[1:], {cores[0]}
+        os.sched_setaffinity(0, router_cores)
+    (node,) = start_nodes(args, model, 1, 64 * per_prompt, workdir, "overhead", node_cores)
     rows: dict[str, list[dict[str, Any]]] = {}
     try:
-        router = start_router(model, [node], "prefix", workdir)
+        router = start_router(model, [node], "prefix", workdir, cores=router_cores)
         targets = {"direct": node.url, "router": router.url}
         try:
             rng = random.Random(11)
@@ -449,6 +469,16 @@ def part_c(args, model, tokenizer, workdir) -> dict[str, Any]:
                             )
                     for target, load in results.items():
                         row = load.summary() | {"run": run, "concurrency": concurrency}
+                        direct = results["direct"].ttft_s
+                        if (
+                            target == "router"
+                            and concurrency == 1
+                            and len(direct) == len(load.ttft_s)
+                        ):
+                            # Each routed request against the direct one just before it.
+                            row["paired_added_ms"] = [
+                                1e3 * (r - d) for d, r in zip(direct, load.ttft_s, strict=True)
+                            ]
                         if target == "router":
                             # Over the block, the direct requests' time included.
                             used = router.cpu_seconds() - cpu_before
@@ -459,6 +489,7 @@ def part_c(args, model, tokenizer, workdir) -> dict[str, Any]:
             router.stop()
     finally:
         node.stop()
+        os.sched_setaffinity(0, cores)
     summary = {}
     for concurrency in args.overhead_concurrency:
         direct, routed = rows[f"direct@{concurrency}"], rows[f"router@{concurrency}"]
@@ -478,6 +509,9 @@ def part_c(args, model, tokenizer, workdir) -> dict[str, Any]:
             "throughput_loss": 1 - r_tput / d_tput,
             "router_cpu_ms_per_request": med(r["router_cpu_ms_per_request"] for r in routed),
         }
+        paired = [d for r in routed for d in r.get("paired_added_ms", [])]
+        if paired:
+            summary[concurrency]["paired_added_ttft_ms"] = med(paired)
     return {"runs": rows, "summary": summary}
 
 
@@ -590,6 +624,12 @@ def main() -> None:
     parser.add_argument("--uniform-len", type=int, default=128)
     parser.add_argument("--overhead-concurrency", default="1,32")
     parser.add_argument("--overhead-runs", type=int, default=3)
+    parser.add_argument(
+        "--overhead-cores",
+        choices=("split", "shared"),
+        default="split",
+        help="(c): the router (and load generator) on a core of its own, or on the node's",
+    )
     parser.add_argument("--overhead-len", type=int, default=64)
     parser.add_argument(
         "--overhead-min-requests",
@@ -661,6 +701,7 @@ def main() -> None:
                     "direct TTFT p50",
                     "router TTFT p50",
                     "added ms",
+                    "added, paired median",
                     "direct tok/s",
                     "router tok/s",
                     "loss",
@@ -672,6 +713,7 @@ def main() -> None:
                         s["direct_ttft_p50_ms"],
                         s["router_ttft_p50_ms"],
                         s["added_ttft_p50_ms"],
+                        s.get("paired_added_ttft_ms", "–"),
                         s["direct_tokens_per_s"],
                         s["router_tokens_per_s"],
                         f"{s['throughput_loss']:.1%}",
@@ -679,7 +721,8 @@ def main() -> None:
                     ]
                     for c, s in data["overhead"]["summary"].items()
                 ],
-                title="(c) the router's cost (medians of interleaved runs)",
+                title=f"(c) the router's cost (medians of interleaved runs; "
+                f"cores {args.overhead_cores})",
             )
     data["duration_s"] = time.monotonic() - started
     targets = targets_of(data)

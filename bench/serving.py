@@ -204,6 +204,8 @@ def run_guidellm(server: Server, args: argparse.Namespace, workdir: Path) -> lis
     )
     if not server.accepts_ignore_eos:
         backend += ",extras.body.ignore_eos=null"
+    # guidellm reads Hugging Face tokenizers only: a GGUF model's de-quantized copy has one.
+    tokenizer_dir = common.hf_model_dir(Path(server.model))
     rows = []
     for concurrency in args.concurrencies:
         out = workdir / f"guidellm-{server.name}-{concurrency}.json"
@@ -213,7 +215,7 @@ def run_guidellm(server: Server, args: argparse.Namespace, workdir: Path) -> lis
             "--backend",
             backend,
             "--tokenizer",
-            f"kind=huggingface_auto,model={server.model}",
+            f"kind=huggingface_auto,model={tokenizer_dir}",
             "--data",
             f"kind=synthetic_text,prompt_tokens={args.prompt_len},output_tokens={args.output_len}",
             "--profile",
