@@ -272,6 +272,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--concurrencies", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--random-batch", type=int, default=32)
     parser.add_argument("--random-max-tokens", type=int, default=64)
@@ -294,7 +295,9 @@ def main() -> None:
         def grounded(pair: dict[bool, serving.Server]) -> list[dict]:
             levels = []
             for c in concurrencies:
-                requests = task_requests(max(8, c), args.max_tokens)
+                # Several requests a client, so that the level's time is not that of the one
+                # client whose last answer happened to be long.
+                requests = task_requests(max(8, args.requests_per_client * c), args.max_tokens)
                 levels.append(alternate(pair, requests, c, args.repeats))
             return levels
 
