@@ -43,6 +43,18 @@ def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
     return {}
 
 
+def wait_for_condition(
+    kube: Kube, namespace: str, name: str, kind: str, what: str, **fields: str
+) -> dict[str, Any]:
+    """The resource's ``kind`` condition once it has ``fields`` (``status="True"``, say)."""
+
+    def matching() -> dict[str, Any] | None:
+        found = condition(kube.get(pllm_path(namespace, name)), kind)
+        return found if all(found.get(k) == v for k, v in fields.items()) else None
+
+    return eventually(matching, what=what)
+
+
 def events_for(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]:
     return [
         e
@@ -215,14 +227,7 @@ def test_readiness_flows_from_deployment_to_the_ready_condition(kube: Kube, name
     )
     mark_routers_ready(kube, namespace, "demo")
     mark_deployment_ready(kube, namespace, "demo", ready=2)
-    ready = eventually(
-        lambda: (
-            (c := condition(kube.get(pllm_path(namespace, "demo")), "Ready")).get("status")
-            == "True"
-            and c
-        ),
-        what="Ready=True",
-    )
+    ready = wait_for_condition(kube, namespace, "demo", "Ready", "Ready=True", status="True")
     assert ready["reason"] == "AllReplicasReady"
     live = kube.get(pllm_path(namespace, "demo"))
     assert live["status"]["readyReplicas"] == 2
@@ -261,13 +266,8 @@ def test_bad_spec_degrades_only_that_resource_and_recovers(kube: Kube, namespace
     )
     kube.create(pllm_path(namespace), pagedllm("healthy", {"model": {"servedName": "demo"}}))
 
-    degraded = eventually(
-        lambda: (
-            (c := condition(kube.get(pllm_path(namespace, "broken")), "Degraded")).get("status")
-            == "True"
-            and c
-        ),
-        what="Degraded on the broken resource",
+    degraded = wait_for_condition(
+        kube, namespace, "broken", "Degraded", "Degraded on the broken resource", status="True"
     )
     assert degraded["reason"] == "InvalidSpec"
     assert 'PersistentVolumeClaim "weights"' in degraded["message"]
@@ -360,13 +360,8 @@ def test_pod_problems_surface_as_conditions(kube: Kube, namespace: str) -> None:
             ],
         },
     )
-    waiting = eventually(
-        lambda: (
-            (c := condition(kube.get(pllm_path(namespace, "demo")), "Progressing")).get("reason")
-            == "WaitingForCapacity"
-            and c
-        ),
-        what="WaitingForCapacity",
+    waiting = wait_for_condition(
+        kube, namespace, "demo", "Progressing", "WaitingForCapacity", reason="WaitingForCapacity"
     )
     assert "Insufficient nvidia.com/gpu" in waiting["message"]
     assert condition(kube.get(pllm_path(namespace, "demo")), "Degraded")["status"] == "False"
@@ -389,14 +384,7 @@ def test_pod_problems_surface_as_conditions(kube: Kube, namespace: str) -> None:
             ],
         },
     )
-    degraded = eventually(
-        lambda: (
-            (c := condition(kube.get(pllm_path(namespace, "demo")), "Degraded")).get("status")
-            == "True"
-            and c
-        ),
-        what="Degraded",
-    )
+    degraded = wait_for_condition(kube, namespace, "demo", "Degraded", "Degraded", status="True")
     assert degraded["reason"] == "CrashLoopBackOff"
     assert "demo-crashing" in degraded["message"] and "exit code 1" in degraded["message"]
     eventually(

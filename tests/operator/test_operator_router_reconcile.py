@@ -15,6 +15,7 @@ from tests.operator.test_operator_reconcile import (
     pdb_path,
     pllm_path,
     service_path,
+    wait_for_condition,
 )
 
 pytestmark = pytest.mark.usefixtures("crd", "operator_process")
@@ -133,14 +134,7 @@ def test_a_name_taken_by_something_else_is_reported(kube: Kube, namespace: str) 
         },
     )
     kube.create(pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"}}))
-    degraded = eventually(
-        lambda: (
-            (c := condition(kube.get(pllm_path(namespace, "demo")), "Degraded")).get("status")
-            == "True"
-            and c
-        ),
-        what="Degraded",
-    )
+    degraded = wait_for_condition(kube, namespace, "demo", "Degraded", "Degraded", status="True")
     assert (
         'Service "demo-serving" already exists and belongs to something else' in degraded["message"]
     )
