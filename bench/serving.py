@@ -74,6 +74,31 @@ def thread_env(threads: int) -> dict[str, str]:
     return env
 
 
+def pagedllm_serve_command(
+    model: str, port: int, dtype: str, kv_cache_memory: int, max_model_len: int, *more: str
+) -> list[str]:
+    """``pagedllm serve`` on loopback with the benchmarks' settings, and ``more`` flags."""
+    return [
+        str(Path(sys.executable).parent / "pagedllm"),
+        "serve",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--kv-cache-memory",
+        str(kv_cache_memory),
+        "--max-model-len",
+        str(max_model_len),
+        *more,
+        "--log-level",
+        "warning",
+    ]
+
+
 def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[str, Server]:
     env = thread_env(args.threads)
     max_len = args.prompt_len + args.output_len + 64
@@ -82,26 +107,15 @@ def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[st
     servers = {
         "pagedllm": Server(
             "pagedllm",
-            [
-                str(Path(sys.executable).parent / "pagedllm"),
-                "serve",
-                "--model",
+            pagedllm_serve_command(
                 model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(args.port),
-                "--dtype",
+                args.port,
                 args.dtype,
-                "--kv-cache-memory",
-                str(args.kv_cache_memory),
-                "--max-model-len",
-                str(max_len),
+                args.kv_cache_memory,
+                max_len,
                 "--max-num-seqs",
                 str(max(256, max(args.concurrencies))),
-                "--log-level",
-                "warning",
-            ],
+            ),
             env,
             args.port,
             model,

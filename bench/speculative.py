@@ -24,7 +24,6 @@ import asyncio
 import json
 import re
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
@@ -47,24 +46,7 @@ SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 def node(name: str, model: str, port: int, args: argparse.Namespace, spec: bool) -> serving.Server:
-    command = [
-        str(Path(sys.executable).parent / "pagedllm"),
-        "serve",
-        "--model",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--kv-cache-memory",
-        str(args.kv_cache_memory),
-        "--max-model-len",
-        "2048",
-        "--log-level",
-        "warning",
-    ]
+    command = serving.pagedllm_serve_command(model, port, "float32", args.kv_cache_memory, 2048)
     if spec:
         command += ["--speculative-config", json.dumps(SPECULATIVE_CONFIG)]
     return serving.Server(name, command, serving.thread_env(args.threads), port, model)
