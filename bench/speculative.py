@@ -45,10 +45,14 @@ TARGET_RANDOM_SLOWDOWN = 0.05
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
+def speculative_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {**SPECULATIVE_CONFIG, "num_speculative_tokens": args.num_speculative_tokens}
+
+
 def node(name: str, model: str, port: int, args: argparse.Namespace, spec: bool) -> serving.Server:
     command = serving.pagedllm_serve_command(model, port, "float32", args.kv_cache_memory, 2048)
     if spec:
-        command += ["--speculative-config", json.dumps(SPECULATIVE_CONFIG)]
+        command += ["--speculative-config", json.dumps(speculative_config(args))]
     return serving.Server(name, command, serving.thread_env(args.threads), port, model)
 
 
@@ -256,6 +260,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=SPECULATIVE_CONFIG["num_speculative_tokens"],
+        help="drafts per step (the speculating node's num_speculative_tokens)",
+    )
     parser.add_argument("--random-batch", type=int, default=32)
     parser.add_argument("--random-max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -267,7 +277,10 @@ def main() -> None:
     common.warn_if_busy()
     concurrencies = [int(c) for c in args.concurrencies.split(",")]
     parts = set(args.parts.split(","))
-    results: dict[str, Any] = {"machine": common.machine_info(), "config": SPECULATIVE_CONFIG}
+    results: dict[str, Any] = {
+        "machine": common.machine_info(),
+        "config": speculative_config(args),
+    }
     results["settings"] = {k: v for k, v in vars(args).items()}
     workdir = Path(tempfile.mkdtemp(prefix="pagedllm-spec-bench-"))
     model = str(common.resolve_model(args.model))

@@ -221,7 +221,9 @@ class KeepStreaming:
                 self.stats.tokens += tokens
             except (openai.OpenAIError, CheckFailed, httpx.HTTPError) as error:
                 where = self.stats.cut if self._opened else self.stats.failures
-                where.append(f"{time.strftime('%H:%M:%S')} {error!r}")
+                # The SDK's connection errors wrap what went wrong underneath (refused, reset).
+                cause = f" from {error.__cause__!r}" if error.__cause__ is not None else ""
+                where.append(f"{time.strftime('%H:%M:%S')} {error!r}{cause}")
             self.stats.requests += 1
             chat = not chat
 

@@ -42,7 +42,7 @@ from e2e.scheduler_standin import (
     SlotRule,
     node_manifest,
 )
-from e2e.service_proxy import ServiceProxies
+from e2e.service_proxy import PortProxy, ServiceProxies
 from pagedllm.kernels import cpu_extension
 from pagedllm.operator.kube import KubeClient, now_rfc3339
 
@@ -369,6 +369,13 @@ class LocalCluster:
             timeout=30,
             what=f"Service {name}'s stand-in listener",
         )
+
+    def service_proxy(self, name: str, port: str = "http") -> PortProxy:
+        """The stand-in listener of a Service's port (its endpoints, connections refused)."""
+        proxies = self.standins.proxies if self.standins is not None else None
+        proxy = proxies.proxy(name, port) if proxies is not None else None
+        assert proxy is not None, f"no stand-in listener for Service {name} port {port}"
+        return proxy
 
     def start_cluster_autoscaler(
         self, group: NodeGroup, timers: Timers

@@ -74,6 +74,9 @@ class PortProxy:
     endpoints: list[tuple[str, int]] = field(default_factory=list)
     server: asyncio.Server | None = None
     connections: int = 0
+    # Connections passed to an endpoint that refused them (a pod whose process died, until
+    # the Service drops it).
+    refused: int = 0
     _turn: itertools.count[int] = field(default_factory=itertools.count)
     _handlers: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -119,6 +122,7 @@ class PortProxy:
         try:
             pod_reader, pod_writer = await asyncio.open_connection(host, port)
         except OSError:
+            self.refused += 1
             client_writer.close()
             return
         self.connections += 1
@@ -157,6 +161,9 @@ class ServiceProxies:
     def url(self, service: str, port_name: str = "http") -> str | None:
         proxy = self.proxies.get((service, port_name))
         return f"http://{LOOPBACK}:{proxy.port}" if proxy is not None else None
+
+    def proxy(self, service: str, port_name: str = "http") -> PortProxy | None:
+        return self.proxies.get((service, port_name))
 
     async def sync(self) -> None:
         services = await self.kube.list("v1", "Service", self.namespace)
