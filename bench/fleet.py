@@ -15,15 +15,21 @@
     the busiest node's share of the requests against the mean.
 (c) The router's cost: one node called directly and through the router, at concurrency 1 and
     32 (short prompts, 32 tokens out), three interleaved runs, medians: added time to first
-    token at p50 and lost throughput.
+    token at p50 and lost throughput, and what the node did meanwhile (steps, their mean
+    duration, the share of the time it was stepping).
+(d) The router's added time to first token alone: a stand-in node that answers at once
+    (``instant_node.py``) called directly and through the router, request by request in turn,
+    with short prompts and with the prompt length of (a); the model's own time, which varies
+    by tens of milliseconds from one request to the next on this machine, is out of it.
 
-    python bench/fleet.py [--requests 240] [--warmup 24] [--parts a,b,c]
+    python bench/fleet.py [--requests 240] [--warmup 24] [--parts a,b,c,d]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -33,6 +39,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +52,7 @@ TARGET_BUSIEST_SHARE = 1.3
 TARGET_ADDED_TTFT_MS = 2.0
 TARGET_THROUGHPUT_LOSS = 0.05
 PAGEDLLM = str(Path(sys.executable).with_name("pagedllm"))
+INSTANT_NODE = Path(__file__).resolve().parent / "instant_node.py"
 BLOCK_SIZE = 16  # the nodes' default
 START_TIMEOUT_S = 600
 
@@ -99,8 +107,15 @@ def free_port() -> int:
 
 
 def launch(
-    name: str, argv: list[str], workdir: Path, cores: set[int] | None, threads: int
+    name: str,
+    argv: list[str],
+    workdir: Path,
+    cores: set[int] | None,
+    threads: int,
+    program: tuple[str, ...] = (PAGEDLLM,),
 ) -> Process:
+    """``program argv`` on a free port (it takes ``--host``, ``--port`` and ``--log-level``),
+    pinned to ``cores``."""
     port = free_port()
     log = workdir / f"{name}.log"
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
@@ -111,7 +126,7 @@ def launch(
 
     with log.open("w") as out:
         popen = subprocess.Popen(
-            [PAGEDLLM, *argv, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+            [*program, *argv, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
             env=env,
             cwd=workdir,  # outside the repository: its operator/ would shadow the stdlib's
             stdout=out,
@@ -429,67 +444,112 @@ def part_b(args, model, tokenizer, workdir) -> dict[str, Any]:
             node.stop()
 
 
+def split_cores() -> tuple[set[int] | None, set[int] | None]:
+    """(the node's cores, the router's): as in a cluster, where router pods have cores of
+    their own, the node on all cores but the first, the router and this load generator on
+    the first. The node then runs on the same cores whether called directly or routed."""
+    cores = sorted(os.sched_getaffinity(0))
+    return (set(cores[1:]), {cores[0]}) if len(cores) > 1 else (None, None)
+
+
+@contextlib.contextmanager
+def behind_router(
+    model: Path,
+    workdir: Path,
+    start_node: Callable[[], Process],
+    router_cores: set[int] | None,
+) -> Iterator[tuple[Process, Process]]:
+    """A node (``start_node()``) and a router in front of it, this process on the router's
+    cores meanwhile; both stopped, and this process on all its cores again, after."""
+    cores = os.sched_getaffinity(0)
+    if router_cores:
+        os.sched_setaffinity(0, router_cores)
+    try:
+        node = start_node()
+        try:
+            router = start_router(model, [node], "prefix", workdir, cores=router_cores)
+            try:
+                yield node, router
+            finally:
+                router.stop()
+        finally:
+            node.stop()
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
+def node_steps(before: dict[str, float], after: dict[str, float], elapsed: float) -> dict:
+    """What the node did between two readings of its /metrics: its steps, their mean
+    duration, the share of ``elapsed`` it spent in them, and the tokens it generated."""
+    count = (
+        after["pagedllm:step_duration_seconds_count"]
+        - before["pagedllm:step_duration_seconds_count"]
+    )
+    seconds = (
+        after["pagedllm:step_duration_seconds_sum"] - before["pagedllm:step_duration_seconds_sum"]
+    )
+    tokens = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    return {
+        "node_steps": count,
+        "node_step_ms": 1e3 * seconds / count if count else None,
+        "node_busy": seconds / elapsed if elapsed else None,
+        "node_generation_tokens": tokens,
+    }
+
+
 def part_c(args, model, tokenizer, workdir) -> dict[str, Any]:
     per_prompt = args.overhead_len + args.output_len
-    cores = sorted(os.sched_getaffinity(0))
-    node_cores = router_cores = None
-    if args.overhead_cores == "split" and len(cores) > 1:
-        # As in a cluster, where router pods have cores of their own: the node on all cores
-        # but the first, the router and this load generator on the first. The node then runs
-        # on the same cores whether it is called directly or through the router.
-        node_cores, router_cores = cores[1:], {cores[0]}
-        os.sched_setaffinity(0, router_cores)
-    (node,) = start_nodes(args, model, 1, 64 * per_prompt, workdir, "overhead", node_cores)
+    node_cores, router_cores = split_cores() if args.overhead_cores == "split" else (None, None)
     rows: dict[str, list[dict[str, Any]]] = {}
-    try:
-        router = start_router(model, [node], "prefix", workdir, cores=router_cores)
+
+    def start_node() -> Process:
+        cores = sorted(node_cores or ())
+        return start_nodes(args, model, 1, 64 * per_prompt, workdir, "overhead", cores)[0]
+
+    with behind_router(model, workdir, start_node, router_cores) as (node, router):
         targets = {"direct": node.url, "router": router.url}
-        try:
-            rng = random.Random(11)
-            for run in range(args.overhead_runs):
-                for concurrency in args.overhead_concurrency:
-                    count = max(args.overhead_min_requests, 4 * concurrency)
-                    for url in targets.values():  # warm the connections and the path first
-                        warm = random_texts(tokenizer, concurrency, args.overhead_len, rng)
-                        asyncio.run(closed_loop(url, warm, concurrency, 4))
-                    cpu_before = router.cpu_seconds()
-                    if concurrency == 1:
-                        # Request by request in turn: a drift of the machine's speed within
-                        # the run weighs on both alike.
-                        prompts = random_texts(tokenizer, 2 * count, args.overhead_len, rng)
-                        results = asyncio.run(taking_turns(targets, prompts, args.output_len))
-                    else:
-                        # Run by run, each run starting with the other target than the last.
-                        order = list(targets) if run % 2 == 0 else list(reversed(targets))
-                        results = {}
-                        for target in order:
-                            prompts = random_texts(tokenizer, count, args.overhead_len, rng)
-                            results[target] = asyncio.run(
-                                closed_loop(targets[target], prompts, concurrency, args.output_len)
-                            )
-                    for target, load in results.items():
-                        row = load.summary() | {"run": run, "concurrency": concurrency}
-                        direct = results["direct"].ttft_s
-                        if (
-                            target == "router"
-                            and concurrency == 1
-                            and len(direct) == len(load.ttft_s)
-                        ):
-                            # Each routed request against the direct one just before it.
-                            row["paired_added_ms"] = [
-                                1e3 * (r - d) for d, r in zip(direct, load.ttft_s, strict=True)
-                            ]
-                        if target == "router":
-                            # Over the block, the direct requests' time included.
-                            used = router.cpu_seconds() - cpu_before
-                            row["router_cpu_ms_per_request"] = 1e3 * used / len(load.ttft_s)
-                        rows.setdefault(f"{target}@{concurrency}", []).append(row)
-                        print(f"(c) run {run} {target} c={concurrency}: {row}", flush=True)
-        finally:
-            router.stop()
-    finally:
-        node.stop()
-        os.sched_setaffinity(0, cores)
+        rng = random.Random(11)
+        for run in range(args.overhead_runs):
+            for concurrency in args.overhead_concurrency:
+                count = max(args.overhead_min_requests, 4 * concurrency)
+                for url in targets.values():  # warm the connections and the path first
+                    warm = random_texts(tokenizer, concurrency, args.overhead_len, rng)
+                    asyncio.run(closed_loop(url, warm, concurrency, 4))
+                cpu_before = router.cpu_seconds()
+                if concurrency == 1:
+                    # Request by request in turn: a drift of the machine's speed within
+                    # the run weighs on both alike.
+                    prompts = random_texts(tokenizer, 2 * count, args.overhead_len, rng)
+                    results = asyncio.run(taking_turns(targets, prompts, args.output_len))
+                    steps: dict[str, dict[str, Any]] = {}  # the targets' steps interleave
+                else:
+                    # Run by run, each run starting with the other target than the last.
+                    order = list(targets) if run % 2 == 0 else list(reversed(targets))
+                    results, steps = {}, {}
+                    for target in order:
+                        prompts = random_texts(tokenizer, count, args.overhead_len, rng)
+                        before = node.metrics()
+                        results[target] = asyncio.run(
+                            closed_loop(targets[target], prompts, concurrency, args.output_len)
+                        )
+                        steps[target] = node_steps(
+                            before, node.metrics(), results[target].elapsed_s
+                        )
+                for target, load in results.items():
+                    row = load.summary() | {"run": run, "concurrency": concurrency}
+                    row |= steps.get(target, {})
+                    direct = results["direct"].ttft_s
+                    if target == "router" and concurrency == 1 and len(direct) == len(load.ttft_s):
+                        # Each routed request against the direct one just before it.
+                        row["paired_added_ms"] = [
+                            1e3 * (r - d) for d, r in zip(direct, load.ttft_s, strict=True)
+                        ]
+                    if target == "router":
+                        # Over the block, the direct requests' time included.
+                        used = router.cpu_seconds() - cpu_before
+                        row["router_cpu_ms_per_request"] = 1e3 * used / len(load.ttft_s)
+                    rows.setdefault(f"{target}@{concurrency}", []).append(row)
+                    print(f"(c) run {run} {target} c={concurrency}: {row}", flush=True)
     summary = {}
     for concurrency in args.overhead_concurrency:
         direct, routed = rows[f"direct@{concurrency}"], rows[f"router@{concurrency}"]
@@ -512,6 +572,64 @@ def part_c(args, model, tokenizer, workdir) -> dict[str, Any]:
         paired = [d for r in routed for d in r.get("paired_added_ms", [])]
         if paired:
             summary[concurrency]["paired_added_ttft_ms"] = med(paired)
+    return {"runs": rows, "summary": summary}
+
+
+def part_d(args, model, tokenizer, workdir) -> dict[str, Any]:
+    """The router's added time to first token, against a node that answers at once (so that
+    no model's time varies around it): direct and routed requests take turns, one at a time,
+    the router and this process on the first core, the stand-in node on the others."""
+    node_cores, router_cores = split_cores()
+    rows: dict[int, list[dict[str, Any]]] = {}
+
+    def start_node() -> Process:
+        argv = ["--tokens", str(args.output_len)]
+        program = (sys.executable, str(INSTANT_NODE))
+        node = launch("instant-node", argv, workdir, node_cores, 1, program)
+        wait_healthy(node)
+        return node
+
+    with behind_router(model, workdir, start_node, router_cores) as (node, router):
+        targets = {"direct": node.url, "router": router.url}
+        rng = random.Random(13)
+        for length in sorted({args.overhead_len, args.system_len + args.question_len}):
+            for run in range(args.overhead_runs):
+                warm = random_texts(tokenizer, 8, length, rng)
+                asyncio.run(taking_turns(targets, warm, args.output_len))
+                prompts = random_texts(tokenizer, 2 * args.instant_requests, length, rng)
+                before = router.metrics()
+                results = asyncio.run(taking_turns(targets, prompts, args.output_len))
+                after = router.metrics()
+                direct, routed = results["direct"], results["router"]
+                paired = [1e3 * (r - d) for d, r in zip(direct.ttft_s, routed.ttft_s, strict=False)]
+                name = "pagedllm:router_added_latency_seconds"
+                count = after[f"{name}_count"] - before[f"{name}_count"]
+                row = {
+                    "run": run,
+                    "requests": len(routed.ttft_s),
+                    "errors": direct.errors + routed.errors,
+                    "direct_ttft_p50_ms": 1e3 * statistics.median(direct.ttft_s),
+                    "router_ttft_p50_ms": 1e3 * statistics.median(routed.ttft_s),
+                    "paired_added_ms": statistics.median(paired),
+                    "before_forward_ms": 1e3
+                    * (after[f"{name}_sum"] - before[f"{name}_sum"])
+                    / max(count, 1),
+                }
+                rows.setdefault(length, []).append(row)
+                print(f"(d) prompt {length} tokens, run {run}: {row}", flush=True)
+    summary = {
+        length: {
+            key: statistics.median(r[key] for r in runs)
+            for key in (
+                "direct_ttft_p50_ms",
+                "router_ttft_p50_ms",
+                "paired_added_ms",
+                "before_forward_ms",
+            )
+        }
+        | {"errors": sum(r["errors"] for r in runs)}
+        for length, runs in rows.items()
+    }
     return {"runs": rows, "summary": summary}
 
 
@@ -598,10 +716,43 @@ def targets_of(data: dict[str, Any]) -> list[common.Target]:
     return targets
 
 
+# Table columns: header -> key in a part's summary.
+OVERHEAD_COLUMNS = {
+    "direct TTFT p50": "direct_ttft_p50_ms",
+    "router TTFT p50": "router_ttft_p50_ms",
+    "added ms": "added_ttft_p50_ms",
+    "added, paired median": "paired_added_ttft_ms",
+    "direct tok/s": "direct_tokens_per_s",
+    "router tok/s": "router_tokens_per_s",
+    "loss": "throughput_loss",
+    "router CPU ms/request": "router_cpu_ms_per_request",
+}
+INSTANT_COLUMNS = {
+    "direct TTFT p50": "direct_ttft_p50_ms",
+    "router TTFT p50": "router_ttft_p50_ms",
+    "added, paired median": "paired_added_ms",
+    "router before forwarding": "before_forward_ms",
+    "errors": "errors",
+}
+
+
+def print_summary(
+    first: str, columns: dict[str, str], summary: dict[Any, dict[str, Any]], title: str
+) -> None:
+    """One row per key of ``summary``: the key, then each column's value (header: key)."""
+    common.print_table(
+        [first, *columns],
+        [[key, *(row.get(name, "–") for name in columns.values())] for key, row in summary.items()],
+        title=title,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--parts", default="a,b,c", help="a (shared prefixes), b (balance), c (cost)"
+        "--parts",
+        default="a,b,c,d",
+        help="a (shared prefixes), b (balance), c (cost), d (added latency, stand-in node)",
     )
     parser.add_argument("--model", help="model directory (default: the benchmark model)")
     parser.add_argument("--nodes", type=int, default=3)
@@ -636,6 +787,12 @@ def main() -> None:
         type=int,
         default=32,
         help="(c): requests per target and run, at least (and 4 times the concurrency)",
+    )
+    parser.add_argument(
+        "--instant-requests",
+        type=int,
+        default=200,
+        help="(d): requests per target, prompt length and run",
     )
     parser.add_argument("--name", default="fleet")
     args = parser.parse_args()
@@ -695,34 +852,20 @@ def main() -> None:
             )
         if "c" in parts:
             data["overhead"] = part_c(args, model, tokenizer, workdir)
-            common.print_table(
-                [
-                    "concurrency",
-                    "direct TTFT p50",
-                    "router TTFT p50",
-                    "added ms",
-                    "added, paired median",
-                    "direct tok/s",
-                    "router tok/s",
-                    "loss",
-                    "router CPU ms/request",
-                ],
-                [
-                    [
-                        c,
-                        s["direct_ttft_p50_ms"],
-                        s["router_ttft_p50_ms"],
-                        s["added_ttft_p50_ms"],
-                        s.get("paired_added_ttft_ms", "–"),
-                        s["direct_tokens_per_s"],
-                        s["router_tokens_per_s"],
-                        f"{s['throughput_loss']:.1%}",
-                        s["router_cpu_ms_per_request"],
-                    ]
-                    for c, s in data["overhead"]["summary"].items()
-                ],
-                title=f"(c) the router's cost (medians of interleaved runs; "
-                f"cores {args.overhead_cores})",
+            print_summary(
+                "concurrency",
+                OVERHEAD_COLUMNS,
+                data["overhead"]["summary"],
+                f"(c) the router's cost (medians of interleaved runs; cores {args.overhead_cores})",
+            )
+        if "d" in parts:
+            data["instant"] = part_d(args, model, tokenizer, workdir)
+            print_summary(
+                "prompt tokens",
+                INSTANT_COLUMNS,
+                data["instant"]["summary"],
+                "(d) the router's added time to first token, a node that answers at once "
+                "(ms, medians of interleaved runs)",
             )
     data["duration_s"] = time.monotonic() - started
     targets = targets_of(data)

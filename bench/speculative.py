@@ -5,14 +5,16 @@
     a code snippet: answers that repeat their input) through ``pagedllm serve``, greedy, by
     chat completions, closed loop at each concurrency (every client sends its next request
     when its last one ends). Two nodes run side by side, one with
-    ``--speculative-config`` and one without; runs alternate off, on, off, on ... and the
-    medians are reported. The speculating node's /metrics give the acceptance rate (accepted
-    draft tokens / draft tokens) and the mean accepted length (tokens per verification step:
-    accepted drafts + 1). Every answer of the speculating node must equal the other's.
+    ``--speculative-config`` and one without; at concurrency 1 they take turns request by
+    request (each request goes to both, which goes first alternating), above it runs
+    alternate off, on, off, on ...; the medians of the runs are reported. The speculating
+    node's /metrics give the acceptance rate (accepted draft tokens / draft tokens) and the
+    mean accepted length (tokens per verification step: accepted drafts + 1). Every answer
+    of the speculating node must equal the other's.
 (b) A workload that does not repeat: random-token prompts on the random-weight benchmark
     model, 32 requests at once, EOS ignored; with speculation it may be at most 5 % slower.
 
-The machine is shared: run it under ``nice -n 5``; figures are medians of alternated runs.
+The machine is shared: run it under ``nice -n 5``; figures are medians of interleaved runs.
 
     python bench/speculative.py [--concurrencies 1,4,16] [--repeats 3] [--max-tokens 160]
 """
@@ -67,57 +69,80 @@ def spec_counters(server: serving.Server) -> dict[str, float]:
     return totals
 
 
+def _client(server: serving.Server) -> Any:
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", timeout=3600, max_retries=0
+    )
+
+
+async def _answer(client: Any, server: serving.Server, body: dict[str, Any]) -> tuple[str, int]:
+    """One request's answer text and output tokens."""
+    if "messages" in body:
+        out = await client.chat.completions.create(model=server.model, **body)
+        return out.choices[0].message.content or "", out.usage.completion_tokens
+    out = await client.completions.create(model=server.model, **body)
+    return out.choices[0].text, out.usage.completion_tokens
+
+
 async def _closed_loop(
     server: serving.Server, requests: list[dict[str, Any]], concurrency: int
 ) -> tuple[float, list[str], int]:
     """(seconds, answer texts in request order, output tokens) of ``requests`` sent by
     ``concurrency`` clients."""
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", timeout=3600, max_retries=0
-    )
-    async with client:
-        return await _send_all(client, server, requests, concurrency)
-
-
-async def _send_all(
-    client: Any, server: serving.Server, requests: list[dict[str, Any]], concurrency: int
-) -> tuple[float, list[str], int]:
     texts = [""] * len(requests)
     tokens = 0
     queue = list(range(len(requests)))
 
-    async def worker() -> None:
+    async def worker(client: Any) -> None:
         nonlocal tokens
         while queue:
             i = queue.pop(0)
-            body = requests[i]
-            if "messages" in body:
-                out = await client.chat.completions.create(model=server.model, **body)
-                texts[i] = out.choices[0].message.content or ""
-            else:
-                out = await client.completions.create(model=server.model, **body)
-                texts[i] = out.choices[0].text
-            tokens += out.usage.completion_tokens
+            texts[i], n = await _answer(client, server, requests[i])
+            tokens += n
 
-    begin = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return time.perf_counter() - begin, texts, tokens
+    async with _client(server) as client:
+        begin = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        return time.perf_counter() - begin, texts, tokens
 
 
-def measure(
-    server: serving.Server, requests: list[dict[str, Any]], concurrency: int, spec: bool
+async def _in_turn(
+    pair: dict[bool, serving.Server], requests: list[dict[str, Any]]
+) -> dict[bool, tuple[float, list[str], int]]:
+    """Each request to one node and then to the other (which goes first alternates): per
+    node, (seconds, answer texts, output tokens)."""
+    clients = {spec: _client(server) for spec, server in pair.items()}
+    seconds = {spec: 0.0 for spec in pair}
+    texts: dict[bool, list[str]] = {spec: [] for spec in pair}
+    tokens = {spec: 0 for spec in pair}
+    for i, body in enumerate(requests):
+        for spec in (False, True) if i % 2 == 0 else (True, False):
+            begin = time.perf_counter()
+            text, n = await _answer(clients[spec], pair[spec], body)
+            seconds[spec] += time.perf_counter() - begin
+            texts[spec].append(text)
+            tokens[spec] += n
+    for client in clients.values():
+        await client.close()
+    return {spec: (seconds[spec], texts[spec], tokens[spec]) for spec in pair}
+
+
+def _run(
+    timed: tuple[float, list[str], int],
+    server: serving.Server,
+    before: dict[str, float] | None,
 ) -> dict[str, Any]:
-    before = spec_counters(server) if spec else {}
-    seconds, texts, tokens = asyncio.run(_closed_loop(server, requests, concurrency))
+    """A run's record; with the speculating node's counters ``before`` it, its drafts."""
+    seconds, texts, tokens = timed
     run: dict[str, Any] = {
         "seconds": seconds,
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / seconds,
         "texts": texts,
     }
-    if spec:
+    if before is not None:
         after = spec_counters(server)
         delta = {k: after[k] - before[k] for k in SPEC_COUNTERS}
         run["acceptance_rate"] = (
@@ -130,6 +155,22 @@ def measure(
         )
         run["drafts"] = delta
     return run
+
+
+def measure(
+    pair: dict[bool, serving.Server], requests: list[dict[str, Any]], concurrency: int
+) -> dict[bool, dict[str, Any]]:
+    """One run of each node. At concurrency 1 the nodes take turns request by request: the
+    shared machine's speed drifts by tens of percent within minutes, and so weighs on both
+    alike; above it, one node's run follows the other's."""
+    if concurrency == 1:
+        before = spec_counters(pair[True])
+        timed = asyncio.run(_in_turn(pair, requests))
+        return {spec: _run(timed[spec], pair[spec], before if spec else None) for spec in pair}
+    off = _run(asyncio.run(_closed_loop(pair[False], requests, concurrency)), pair[False], None)
+    before = spec_counters(pair[True])
+    on = _run(asyncio.run(_closed_loop(pair[True], requests, concurrency)), pair[True], before)
+    return {False: off, True: on}
 
 
 def task_requests(count: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -168,11 +209,12 @@ def random_requests(count: int, vocab: int, prompt_len: int, max_tokens: int) ->
 def alternate(
     pair: dict[bool, serving.Server], requests: list[dict], concurrency: int, repeats: int
 ) -> dict[str, Any]:
-    """Runs off, on, off, on ...; medians, and whether every answer matched."""
+    """Runs of both nodes, ``repeats`` times; medians, and whether every answer matched."""
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for r in range(repeats):
+        both = measure(pair, requests, concurrency)
         for spec in (False, True):
-            run = measure(pair[spec], requests, concurrency, spec)
+            run = both[spec]
             runs[spec].append(run)
             print(
                 f"  c={concurrency} run {r + 1} spec={'on ' if spec else 'off'}: "
@@ -375,7 +417,7 @@ def main() -> None:
             "identical",
         ],
         rows,
-        "Speculative decoding (medians of alternated runs)",
+        "Speculative decoding (medians of interleaved runs)",
     )
     common.print_targets(targets)
     results["targets"] = [t.to_json() for t in targets]

@@ -41,7 +41,7 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
 
 
-# The most steps a sequence whose drafts keep gaining nothing goes without drafting.
+# The most steps a sequence whose drafts keep failing goes without drafting.
 MAX_SPEC_PAUSE = 128
 
 
@@ -269,15 +269,19 @@ class Scheduler:
         k = min(spec.num_speculative_tokens, budget - 1, room)
         if k < 1:
             return []
-        draft = propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        if not draft:
-            self._spec_miss(seq)
-        return draft
+        # Finding no match costs only the lookup: the sequence looks again at its next step
+        # (a copy often starts a few tokens into an answer). Only verified drafts that all
+        # fail count as misses.
+        return propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _spec_miss(self, seq: Sequence) -> None:
-        """A draft attempt gained nothing: pause drafting, twice as long as the last time."""
+        """A verification kept none of the drafts. One such miss is often where an answer
+        leaves the text it copies, to rejoin it a token later: drafting goes on. From the
+        second in a row, drafting pauses for 2, 4, 8 ... steps (a sequence whose drafts keep
+        failing costs a verification pass each time)."""
         seq.spec_misses += 1
-        seq.spec_pause = min(2**seq.spec_misses, MAX_SPEC_PAUSE)
+        if seq.spec_misses > 1:
+            seq.spec_pause = min(2 ** (seq.spec_misses - 1), MAX_SPEC_PAUSE)
 
     def schedule_ahead(self, in_flight: StepPlan) -> StepPlan | None:
         """The plan after ``in_flight``, made before its results are in (async scheduling).

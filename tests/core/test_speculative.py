@@ -171,9 +171,20 @@ def test_a_sequence_whose_drafts_fail_pauses_them() -> None:
     for _ in range(8):
         plan, _ = step(s, lambda i, d: [9] if d is None else [6 if d[0] != 6 else 7])
         drafted.append(bool(plan.drafts))
-    # miss, pause 2, miss, pause 4, ...: drafts get rarer
-    assert drafted[:4] == [True, False, False, True]
-    assert sum(drafted) <= 3
+    # A first miss (6), two steps without a match (looking again each time), a second miss
+    # and a pause of 2, a third and a pause of 4: drafts get rarer.
+    assert drafted == [True, False, False, True, False, False, True, False]
+    assert (s.running[0].spec_misses, s.running[0].spec_pause) == (3, 3)
+
+
+def test_a_sequence_without_a_match_looks_again_at_its_next_step() -> None:
+    s = scheduler()
+    s.add_request("r", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    step(s, lambda i, d: [4])  # [1, 2, 3, 4]: the tail occurs nowhere before
+    plan, _ = step(s, lambda i, d: [1])
+    assert plan.drafts == {}
+    plan, _ = step(s, lambda i, d: [2])  # [1, 2, 3, 4, 1]: "1" was followed by 2, 3, 4
+    assert list(plan.drafts.values()) == [[2, 3, 4, 1]]
 
 
 def test_requests_that_cannot_speculate_step_one_token_at_a_time() -> None:

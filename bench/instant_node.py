@@ -1,0 +1,101 @@
+"""A stand-in node that answers at once, for measuring what the router itself adds.
+
+It speaks what `pagedllm router` needs of a node: ``GET /v1/kv_events`` (a snapshot of an
+empty cache, then an update every second with an idle load) and ``POST /v1/completions``,
+streamed (``--tokens`` OpenAI-shaped chunks, then ``[DONE]``) or not. No model runs, so a
+request's time is the HTTP path's alone: called directly and through a router, the difference
+is the router's.
+
+    python bench/instant_node.py --port 8801 [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import time
+
+from aiohttp import web
+
+BLOCK_SIZE = 16
+IDLE = {"running": 0, "waiting": 0, "kv_usage": 0.0}
+
+
+def _chunk(request_id: str, created: int, text: str, finish: str | None) -> bytes:
+    body = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": "bench",
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def app(tokens: int) -> web.Application:
+    ids = itertools.count()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        request_id, created = f"cmpl-{next(ids)}", int(time.time())
+        count = min(int(body.get("max_tokens") or tokens), tokens)
+        if not body.get("stream"):
+            text = " x" * count
+            return web.json_response(
+                json.loads(_chunk(request_id, created, text, "length")[6:])
+                | {"usage": {"prompt_tokens": 1, "completion_tokens": count, "total_tokens": 1}}
+            )
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(count):
+            finish = "length" if i == count - 1 else None
+            await response.write(_chunk(request_id, created, " x", finish))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def kv_events(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "application/x-ndjson"})
+        await response.prepare(request)
+        snapshot = {
+            "type": "snapshot",
+            "seq": 0,
+            "block_size": BLOCK_SIZE,
+            "hash_seed": 0,
+            "num_blocks": 1 << 16,
+            "blocks": [],
+            "load": IDLE,
+        }
+        await response.write(json.dumps(snapshot).encode() + b"\n")
+        for seq in itertools.count(1):
+            await asyncio.sleep(1.0)
+            update = {"type": "update", "seq": seq, "stored": [], "removed": [], "load": IDLE}
+            await response.write(json.dumps(update).encode() + b"\n")
+        return response  # never reached: the subscriber hangs up
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    application = web.Application()
+    application.router.add_post("/v1/completions", completions)
+    application.router.add_get("/v1/kv_events", kv_events)
+    application.router.add_get("/health", health)
+    return application
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log_level.upper())
+    web.run_app(app(args.tokens), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()
