@@ -275,13 +275,11 @@ class Scheduler:
         return propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _spec_miss(self, seq: Sequence) -> None:
-        """A verification kept none of the drafts. One such miss is often where an answer
-        leaves the text it copies, to rejoin it a token later: drafting goes on. From the
-        second in a row, drafting pauses for 2, 4, 8 ... steps (a sequence whose drafts keep
-        failing costs a verification pass each time)."""
+        """A verification kept none of the drafts: drafting pauses for 2, 4, 8 ... steps, as
+        each failed verification costs a pass over the drafts (in a batch, a sequence's own
+        share of the step several times over)."""
         seq.spec_misses += 1
-        if seq.spec_misses > 1:
-            seq.spec_pause = min(2 ** (seq.spec_misses - 1), MAX_SPEC_PAUSE)
+        seq.spec_pause = min(2**seq.spec_misses, MAX_SPEC_PAUSE)
 
     def schedule_ahead(self, in_flight: StepPlan) -> StepPlan | None:
         """The plan after ``in_flight``, made before its results are in (async scheduling).

@@ -62,8 +62,7 @@ class Sequence:
     # Beam search: candidates (token, logprob) sampled but not yet chosen.
     beam_candidates: list[tuple[int, float]] | None = None
     # Speculative decoding: steps left before the sequence drafts again, and how many
-    # verifications in a row kept none of its drafts (from the second, each pauses it twice
-    # as long).
+    # verifications in a row kept none of its drafts (each pauses it twice as long).
     spec_pause: int = 0
     spec_misses: int = 0
 
