@@ -6,11 +6,11 @@
     chat completions, closed loop at each concurrency (every client sends its next request
     when its last one ends). Two nodes run side by side, one with
     ``--speculative-config`` and one without; at concurrency 1 they take turns request by
-    request (each request goes to both, which goes first alternating), above it runs
-    alternate off, on, off, on ...; the medians of the runs are reported. The speculating
-    node's /metrics give the acceptance rate (accepted draft tokens / draft tokens) and the
-    mean accepted length (tokens per verification step: accepted drafts + 1). Every answer
-    of the speculating node must equal the other's.
+    request (each request goes to both, which goes first alternating), above it their runs
+    follow each other (off, on, then on, off, ...); the medians of the runs are reported.
+    The speculating node's /metrics give the acceptance rate (accepted draft tokens / draft
+    tokens) and the mean accepted length (tokens per verification step: accepted drafts + 1).
+    Every answer of the speculating node must equal the other's.
 (b) A workload that does not repeat: random-token prompts on the random-weight benchmark
     model, 32 requests at once, EOS ignored; with speculation it may be at most 5 % slower.
 
@@ -158,19 +158,25 @@ def _run(
 
 
 def measure(
-    pair: dict[bool, serving.Server], requests: list[dict[str, Any]], concurrency: int
+    pair: dict[bool, serving.Server],
+    requests: list[dict[str, Any]],
+    concurrency: int,
+    on_first: bool,
 ) -> dict[bool, dict[str, Any]]:
     """One run of each node. At concurrency 1 the nodes take turns request by request: the
     shared machine's speed drifts by tens of percent within minutes, and so weighs on both
-    alike; above it, one node's run follows the other's."""
+    alike; above it, one node's run follows the other's (the speculating node's first with
+    ``on_first``)."""
     if concurrency == 1:
         before = spec_counters(pair[True])
         timed = asyncio.run(_in_turn(pair, requests))
         return {spec: _run(timed[spec], pair[spec], before if spec else None) for spec in pair}
-    off = _run(asyncio.run(_closed_loop(pair[False], requests, concurrency)), pair[False], None)
-    before = spec_counters(pair[True])
-    on = _run(asyncio.run(_closed_loop(pair[True], requests, concurrency)), pair[True], before)
-    return {False: off, True: on}
+    runs = {}
+    for spec in (True, False) if on_first else (False, True):
+        before = spec_counters(pair[True])
+        timed_run = asyncio.run(_closed_loop(pair[spec], requests, concurrency))
+        runs[spec] = _run(timed_run, pair[spec], before if spec else None)
+    return runs
 
 
 def task_requests(count: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -212,7 +218,9 @@ def alternate(
     """Runs of both nodes, ``repeats`` times; medians, and whether every answer matched."""
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for r in range(repeats):
-        both = measure(pair, requests, concurrency)
+        # Which node runs first alternates: each gets the machine just after the other's run
+        # as often.
+        both = measure(pair, requests, concurrency, on_first=r % 2 == 1)
         for spec in (False, True):
             run = both[spec]
             runs[spec].append(run)
