@@ -42,17 +42,20 @@ def app(tokens: int) -> web.Application:
         body = await request.json()
         request_id, created = f"cmpl-{next(ids)}", int(time.time())
         count = min(int(body.get("max_tokens") or tokens), tokens)
+        usage = {"prompt_tokens": 1, "completion_tokens": count, "total_tokens": count + 1}
         if not body.get("stream"):
             text = " x" * count
             return web.json_response(
-                json.loads(_chunk(request_id, created, text, "length")[6:])
-                | {"usage": {"prompt_tokens": 1, "completion_tokens": count, "total_tokens": 1}}
+                json.loads(_chunk(request_id, created, text, "length")[6:]) | {"usage": usage}
             )
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         for i in range(count):
             finish = "length" if i == count - 1 else None
             await response.write(_chunk(request_id, created, " x", finish))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            last = json.loads(_chunk(request_id, created, "", None)[6:]) | {"choices": []}
+            await response.write(b"data: " + json.dumps(last | {"usage": usage}).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
