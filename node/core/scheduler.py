@@ -41,7 +41,7 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
 
 
-# The most steps a sequence whose drafts keep failing goes without drafting.
+# The most steps a sequence whose drafts keep gaining nothing goes without drafting.
 MAX_SPEC_PAUSE = 128
 
 
@@ -269,15 +269,13 @@ class Scheduler:
         k = min(spec.num_speculative_tokens, budget - 1, room)
         if k < 1:
             return []
-        # Finding no match costs only the lookup: the sequence looks again at its next step
-        # (a copy often starts a few tokens into an answer). Only verified drafts that all
-        # fail count as misses.
-        return propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        draft = propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if not draft:
+            self._spec_miss(seq)
+        return draft
 
     def _spec_miss(self, seq: Sequence) -> None:
-        """A verification kept none of the drafts: drafting pauses for 2, 4, 8 ... steps, as
-        each failed verification costs a pass over the drafts (in a batch, a sequence's own
-        share of the step several times over)."""
+        """A draft attempt gained nothing: pause drafting, twice as long as the last time."""
         seq.spec_misses += 1
         seq.spec_pause = min(2**seq.spec_misses, MAX_SPEC_PAUSE)
 

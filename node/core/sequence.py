@@ -61,8 +61,8 @@ class Sequence:
     pending_sample: bool = False
     # Beam search: candidates (token, logprob) sampled but not yet chosen.
     beam_candidates: list[tuple[int, float]] | None = None
-    # Speculative decoding: steps left before the sequence drafts again, and how many
-    # verifications in a row kept none of its drafts (each pauses it twice as long).
+    # Speculative decoding: steps left before the sequence drafts again, and how many draft
+    # attempts in a row gained nothing (the pause doubles with each).
     spec_pause: int = 0
     spec_misses: int = 0
 
