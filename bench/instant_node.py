@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -24,14 +25,21 @@ BLOCK_SIZE = 16
 IDLE = {"running": 0, "waiting": 0, "kv_usage": 0.0}
 
 
-def _chunk(request_id: str, created: int, text: str, finish: str | None) -> bytes:
-    body = {
+def _completion(request_id: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": "bench",
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": choices,
     }
+
+
+def _choice(text: str, finish: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+def _event(body: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -44,18 +52,16 @@ def app(tokens: int) -> web.Application:
         count = min(int(body.get("max_tokens") or tokens), tokens)
         usage = {"prompt_tokens": 1, "completion_tokens": count, "total_tokens": count + 1}
         if not body.get("stream"):
-            text = " x" * count
-            return web.json_response(
-                json.loads(_chunk(request_id, created, text, "length")[6:]) | {"usage": usage}
-            )
+            choices = [_choice(" x" * count, "length")]
+            return web.json_response(_completion(request_id, created, choices) | {"usage": usage})
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         for i in range(count):
-            finish = "length" if i == count - 1 else None
-            await response.write(_chunk(request_id, created, " x", finish))
+            choice = _choice(" x", "length" if i == count - 1 else None)
+            await response.write(_event(_completion(request_id, created, [choice])))
         if (body.get("stream_options") or {}).get("include_usage"):
-            last = json.loads(_chunk(request_id, created, "", None)[6:]) | {"choices": []}
-            await response.write(b"data: " + json.dumps(last | {"usage": usage}).encode() + b"\n\n")
+            last = _completion(request_id, created, []) | {"usage": usage}
+            await response.write(_event(last))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

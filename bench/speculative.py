@@ -173,9 +173,9 @@ def measure(
         return {spec: _run(timed[spec], pair[spec], before if spec else None) for spec in pair}
     runs = {}
     for spec in (True, False) if on_first else (False, True):
-        before = spec_counters(pair[True])
+        before = spec_counters(pair[True]) if spec else None
         timed_run = asyncio.run(_closed_loop(pair[spec], requests, concurrency))
-        runs[spec] = _run(timed_run, pair[spec], before if spec else None)
+        runs[spec] = _run(timed_run, pair[spec], before)
     return runs
 
 

@@ -33,9 +33,9 @@ from pagedllm.api.protocol import ChatCompletionRequest, ChatMessage, Completion
 LARGE_TEXT_THREADS = max(1, len(os.sched_getaffinity(0)) // 2)
 SMALL_TEXT_THREADS = 4
 SMALL_TEXT_CHARS = 65536
-# Up to this many characters (a few hundred tokens, well under a millisecond to tokenize) the
-# work is done on the loop itself: handing it to a thread and back costs more (about 0.2 ms
-# here), and it is time added to every short request's first token.
+# Texts up to this many characters (a few hundred tokens, well under a millisecond) are
+# encoded on the loop itself: handing one to a thread and back costs more (about 0.2 ms
+# here), time added to every short request's first token.
 INLINE_TEXT_CHARS = 2048
 
 T = TypeVar("T")
@@ -86,14 +86,14 @@ class TokenizingContext:
             )
 
     async def in_thread(self, size: int, function: Callable[..., T], *args: Any) -> T:
-        """``function(*args)`` on one of the tokenizer threads, so the loop keeps answering
-        (on the loop when it is small); ``size``: how many characters it works on."""
-        if size <= INLINE_TEXT_CHARS:
-            return function(*args)
+        """``function(*args)`` on one of the tokenizer threads, so the loop keeps answering;
+        ``size``: how many characters it works on."""
         limiter = self._small if size <= SMALL_TEXT_CHARS else self._large
         return await anyio.to_thread.run_sync(function, *args, limiter=limiter)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) <= INLINE_TEXT_CHARS:
+            return encode_text(self.tokenizer, text, add_special_tokens)
         encode = functools.partial(
             encode_text, self.tokenizer, add_special_tokens=add_special_tokens
         )
