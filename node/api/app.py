@@ -24,7 +24,7 @@ from pagedllm import __version__
 from pagedllm.api import kv_page
 from pagedllm.api.chat_template import ChatRendering
 from pagedllm.api.engine_client import NodeState
-from pagedllm.api.errors import ApiError, error_response, unavailable
+from pagedllm.api.errors import ApiError, error_response, invalid_request, unavailable
 from pagedllm.api.event_stream import (
     EventStreamResponse,
     JsonLinesResponse,
@@ -119,7 +119,7 @@ class BodyLimitMiddleware:
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.limit:
-                raise HTTPException(413, self._too_large().message)
+                raise self._too_large()
             return message
 
         await self.app(scope, counting_receive, send)
@@ -130,32 +130,21 @@ class BodyLimitMiddleware:
         )
 
 
-def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for item in error.errors()[:5]:
-        loc = [str(p) for p in item.get("loc", ()) if p != "body"]
-        where = ".".join(loc)
-        param = param or (loc[0] if loc else None)
-        parts.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
-    return "invalid request: " + "; ".join(parts), param
-
-
-def build_app(ctx: ServingContext, api_key: str | None) -> FastAPI:
+def build_app(ctx: ServingContext, api_key: str | None) -> ASGIApp:
     app = FastAPI(title="PagedLLM", version=__version__)
-    add_guards(app, api_key)
     add_error_handlers(app)
     _add_probes(app, ctx)
     _add_openai_routes(app, ctx)
     add_tokenize_routes(app, ctx)
     kv_page.add_kv_page_routes(app, ctx)
-    return app
+    return guarded(app, api_key)
 
 
-def add_guards(app: FastAPI, api_key: str | None) -> None:
-    """The body size limit, and the API key when there is one."""
-    app.add_middleware(BodyLimitMiddleware, limit=MAX_BODY_BYTES)
-    if api_key:  # added last, so it runs first: no body is read for a caller without the key
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+def guarded(app: ASGIApp, api_key: str | None) -> ASGIApp:
+    """``app`` behind the body size limit and, when there is one, the API key (checked first:
+    no body is read for a caller without it)."""
+    app = BodyLimitMiddleware(app, limit=MAX_BODY_BYTES)
+    return ApiKeyMiddleware(app, api_key=api_key) if api_key else app
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -167,8 +156,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(error)
-        return error_response(ApiError(400, message, param=param))
+        return error_response(invalid_request(error.errors()))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:

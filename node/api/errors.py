@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -44,3 +45,15 @@ def unavailable(message: str, code: str | None, retry_after_s: int = 1) -> ApiEr
         code,
         headers={"Retry-After": str(retry_after_s)},
     )
+
+
+def invalid_request(errors: Sequence[Mapping[str, Any]]) -> ApiError:
+    """A 400 naming what failed validation (pydantic's errors, FastAPI's ``body`` dropped
+    from their locations), the first field as ``param``."""
+    parts, param = [], None
+    for item in errors[:5]:
+        loc = [str(p) for p in item.get("loc", ()) if p != "body"]
+        where = ".".join(loc)
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
+    return ApiError(400, "invalid request: " + "; ".join(parts), param=param)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.core.block_manager import block_hash, root_hash
+from pagedllm.core.block_manager import chained_hashes, root_hash
 
 
 @dataclass(frozen=True)
@@ -19,16 +19,9 @@ def block_hashes(
     token_ids: list[int], scheme: HashScheme, max_blocks: int | None = None
 ) -> list[bytes]:
     """The hashes of the prompt's full blocks, first to last (at most ``max_blocks``)."""
-    bs = scheme.block_size
-    count = len(token_ids) // bs
     if max_blocks is not None:
-        count = min(count, max_blocks)
-    hashes: list[bytes] = []
-    parent = root_hash(scheme.seed)
-    for i in range(count):
-        parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
-        hashes.append(parent)
-    return hashes
+        token_ids = token_ids[: max_blocks * scheme.block_size]
+    return chained_hashes(root_hash(scheme.seed), token_ids, scheme.block_size)
 
 
 class PromptHashes:

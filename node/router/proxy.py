@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -84,21 +83,21 @@ class Forwarder:
     def auth_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def _headers(self, request: Request) -> dict[str, str]:
-        content_type = request.headers.get("content-type", "application/json")
-        return {"content-type": content_type, **self.auth_headers()}
-
     async def forward(
         self,
-        request: Request,
+        path: str,
+        content_type: str,
         body: bytes,
+        receive: Receive,
         order: list[str],
         key: bytes,
         on_sent: Callable[[], None],
     ) -> Response:
         """The first answer of the backends in ``order`` that neither refuses the connection
         nor answers 503; ``key`` is the prompt's placement key, counted in flight where the
-        request goes; ``on_sent`` is called when the request first leaves for a backend."""
+        request goes; ``on_sent`` is called when the request first leaves for a backend;
+        ``receive`` tells when the client leaves meanwhile."""
+        headers = {"content-type": content_type, **self.auth_headers()}
         refusals: list[str] = []
         last_503: dict[str, Any] | None = None
         for url in order:
@@ -109,10 +108,8 @@ class Forwarder:
             handed_over = False
             try:
                 on_sent()
-                send = self.client.post(
-                    url + request.url.path, data=body, headers=self._headers(request)
-                )
-                upstream = await unless_disconnected(send, request.receive)
+                send = self.client.post(url + path, data=body, headers=headers)
+                upstream = await unless_disconnected(send, receive)
                 if upstream is None:
                     return Response(status_code=CLIENT_CLOSED)
                 if upstream.status == 503:

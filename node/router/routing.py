@@ -110,6 +110,20 @@ class Router:
             )
         return ready
 
+    def holds_all(self, token_ids: list[int], backends: list[Backend]) -> bool:
+        """Whether some backend holds, or will, every full block of ``token_ids``: only then
+        can the tokens after them change the choice."""
+        prompt = PromptHashes(token_ids)
+        now = time.monotonic()
+        for b in backends:
+            if b.residency is None:
+                continue
+            hashes = prompt.for_scheme(b.residency.scheme)
+            held = cached_tokens(b, hashes, self._pending_of(b.url), now)
+            if held == len(hashes) * b.residency.scheme.block_size:
+                return True
+        return False
+
     def choose(self, token_ids: list[int], backends: list[Backend]) -> Choice:
         prompt = PromptHashes(token_ids)
         now = time.monotonic()

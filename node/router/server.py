@@ -22,13 +22,14 @@ from pagedllm.api.token_bytes import max_token_bytes
 from pagedllm.api.tokenizing import TokenizingContext
 from pagedllm.models import ModelLoadError
 from pagedllm.models.tokenizer import load_tokenizer
-from pagedllm.router.app import RouterState, build_router_app
+from pagedllm.router.app import build_router_app
 from pagedllm.router.args import RouterArgs
 from pagedllm.router.feed import FeedFollower
 from pagedllm.router.fleet import Fleet
 from pagedllm.router.metrics import RouterMetrics
 from pagedllm.router.proxy import Forwarder
 from pagedllm.router.routing import Router
+from pagedllm.router.state import RouterState
 from pagedllm.serve.child_process import LOG_FORMAT
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.request_delta import RequestTimings
 from pagedllm.core.sequence import Request, Sequence
 from pagedllm.router.hashing import HashScheme, PromptHashes, block_hashes
-from pagedllm.router.prompts import ROUTE_TEXT_CHARS, routing_tokens
+from pagedllm.router.prompts import HEAD_CHARS, ROUTE_TEXT_CHARS, routing_prompt, routing_tokens
 from pagedllm.router.residency import Residency
 from pagedllm.sampling_params import SamplingParams
 
@@ -225,6 +225,24 @@ def test_a_huge_prompt_routes_by_its_start(tokenizing: TokenizingContext) -> Non
     whole = tokenizing.tokenizer.encode(text)
     assert 0 < len(ours) < len(whole)
     assert ours == whole[: len(ours)]
+
+
+def test_a_long_prompt_is_first_routed_by_its_head(tokenizing: TokenizingContext) -> None:
+    """The head's tokens are the whole prompt's first tokens (completions and chat alike); the
+    whole is tokenized only when asked for."""
+    text = " ".join(WORDS[(i * 5) % len(WORDS)] + str(i) for i in range(HEAD_CHARS // 3))
+    for body in (
+        CompletionRequest(prompt=text),
+        ChatCompletionRequest(messages=[{"role": "user", "content": text}]),
+    ):
+        prompt = asyncio.run(routing_prompt(tokenizing, body))
+        whole = asyncio.run(prompt.whole(tokenizing))
+        assert prompt.rest is not None and 0 < len(prompt.head) < len(whole)
+        assert prompt.head == whole[: len(prompt.head)]
+        assert whole == asyncio.run(routing_tokens(tokenizing, body))
+    short = asyncio.run(routing_prompt(tokenizing, CompletionRequest(prompt=text[:HEAD_CHARS])))
+    assert short.rest is None
+    assert short.head == tokenizing.tokenizer.encode(text[:HEAD_CHARS])
 
 
 def _node_ctx(ctx: TokenizingContext) -> ServingContext:

@@ -19,7 +19,7 @@ import pytest
 from pagedllm.api.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.api.tokenizing import TokenizingContext
 from pagedllm.config import resolve_model_dir
-from pagedllm.router.app import RouterState, build_router_app
+from pagedllm.router.app import build_router_app
 from pagedllm.router.feed import FeedFollower
 from pagedllm.router.fleet import Backend, Fleet
 from pagedllm.router.hashing import HashScheme, block_hashes
@@ -29,6 +29,7 @@ from pagedllm.router.proxy import Forwarder
 from pagedllm.router.residency import Residency
 from pagedllm.router.routing import Router, RoutingSettings
 from pagedllm.router.server import new_client_session
+from pagedllm.router.state import RouterState
 from tests.router.router_harness import ready_backends, start_router, wait_for
 from tests.serve.serve_harness import DEMO_MODEL, Server, free_port, start_server
 from tests.serve.test_serve_lifecycle import TORCH_LIBRARY, mapped_files
@@ -133,6 +134,19 @@ def test_errors_come_back_in_the_nodes_shape(router: Server, nodes: list[Server]
         timeout=30,
     )
     assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "request_too_large"
+    # What is refused before any routing, as a node refuses it.
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for target in (router, nodes[0]):
+        not_json = httpx.post(
+            f"{target.url}/v1/completions",
+            content=b'{"prompt": ',
+            headers=auth | {"Content-Type": "application/json"},
+        )
+        assert not_json.status_code == 400, not_json.text
+        assert not_json.json()["error"]["type"] == "invalid_request_error"
+        wrong_method = httpx.get(f"{target.url}/v1/chat/completions", headers=auth)
+        assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+        assert wrong_method.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_the_api_key_is_enforced(router: Server) -> None:

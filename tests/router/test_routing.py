@@ -71,3 +71,23 @@ def test_what_the_feed_reports_wins_over_where_the_router_sent() -> None:
         await fleet.close()
 
     asyncio.run(scenario())
+
+
+def test_a_head_decides_unless_a_node_holds_all_of_it() -> None:
+    """Only a node holding (or about to hold) every block of a prompt's head could gain from
+    the tokens after it, so only then is the whole prompt needed."""
+
+    async def scenario() -> None:
+        fleet, router = fleet_of_three()
+        head = prompt(0, 0)[:256]
+        assert not router.holds_all(head, fleet.ready())
+        # Half the head cached on one node: the rest of the prompt cannot change the choice.
+        half = block_hashes(head, SCHEME)[:8]
+        fleet.backends[URLS[0]].residency = Residency(SCHEME, set(half))
+        assert not router.holds_all(head, fleet.ready())
+        # Sent somewhere whole, the head is held there until the feed says otherwise.
+        router.choose(prompt(0, 0), fleet.ready())
+        assert router.holds_all(head, fleet.ready())
+        await fleet.close()
+
+    asyncio.run(scenario())
