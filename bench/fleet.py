@@ -14,13 +14,21 @@
 (b) Balance: the same fleet and policy ``prefix`` on a uniform workload (no shared prefix):
     the busiest node's share of the requests against the mean.
 (c) The router's cost: one node called directly and through the router, at concurrency 1 and
-    32 (short prompts, 32 tokens out), three interleaved runs, medians: added time to first
-    token at p50 and lost throughput, and what the node did meanwhile (steps, their mean
-    duration, the share of the time it was stepping).
+    32 (short prompts, 32 tokens out), three interleaved runs, medians: lost throughput, time
+    to first token, and what the node did meanwhile (steps, their mean duration, the share of
+    the time it was stepping). With the model in the path a first token takes 0.2 s at 1 and
+    6 s at 32, varying by tens of milliseconds between requests and by a tenth between runs:
+    far too much to see 2 ms in, so the added time's target is (d)'s.
 (d) The router's added time to first token alone: a stand-in node that answers at once
-    (``instant_node.py``) called directly and through the router, request by request in turn,
-    with short prompts and with the prompt length of (a); the model's own time, which varies
-    by tens of milliseconds from one request to the next on this machine, is out of it.
+    (``instant_node.py``) called directly and through the router, at concurrency 1 (request by
+    request in turn, short prompts and the prompt length of (a)) and 32 (closed loops, runs
+    alternating; the stand-in sends a token every 30 ms after the first, as a node does, and
+    the clients start staggered over a request's duration, as independent users arrive, not
+    in bursts of 32 that queue behind each other wherever they go). The router has a core of
+    its own, as router pods have in a cluster; the stand-in and this load generator share the
+    other (``--instant-client router`` puts the load generator on the router's core instead,
+    where its own work after sending a request, which overlaps with a node on another core,
+    holds up the router).
 
     python bench/fleet.py [--requests 240] [--warmup 24] [--parts a,b,c,d]
 """
@@ -309,19 +317,21 @@ def openai_client(url: str) -> Any:
 
 
 async def closed_loop(
-    url: str, prompts: list[str], concurrency: int, output_len: int
+    url: str, prompts: list[str], concurrency: int, output_len: int, stagger_s: float = 0.0
 ) -> LoadResult:
-    """``concurrency`` clients, each sending the next prompt as soon as its last one ended."""
+    """``concurrency`` clients, each sending the next prompt as soon as its last one ended;
+    client ``i`` starts ``i * stagger_s`` after the first."""
     client = openai_client(url)
     result = LoadResult()
     queue = list(reversed(prompts))
 
-    async def one_client() -> None:
+    async def one_client(i: int) -> None:
+        await asyncio.sleep(i * stagger_s)
         while queue:
             await one_request(client, queue.pop(), output_len, result)
 
     begin = time.perf_counter()
-    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    await asyncio.gather(*(one_client(i) for i in range(concurrency)))
     result.elapsed_s = time.perf_counter() - begin
     await client.close()
     return result
@@ -463,12 +473,15 @@ def behind_router(
     workdir: Path,
     start_node: Callable[[], Process],
     router_cores: set[int] | None,
+    client_cores: set[int] | None = None,
 ) -> Iterator[tuple[Process, Process]]:
-    """A node (``start_node()``) and a router in front of it, this process on the router's
-    cores meanwhile; both stopped, and this process on all its cores again, after."""
+    """A node (``start_node()``) and a router in front of it, this process on
+    ``client_cores`` (default: the router's) meanwhile; both stopped, and this process on all
+    its cores again, after."""
     cores = os.sched_getaffinity(0)
-    if router_cores:
-        os.sched_setaffinity(0, router_cores)
+    client_cores = client_cores or router_cores
+    if client_cores:
+        os.sched_setaffinity(0, client_cores)
     try:
         node = start_node()
         try:
@@ -581,61 +594,96 @@ def part_c(args, model, tokenizer, workdir) -> dict[str, Any]:
 
 
 def part_d(args, model, tokenizer, workdir) -> dict[str, Any]:
-    """The router's added time to first token, against a node that answers at once (so that
-    no model's time varies around it): direct and routed requests take turns, one at a time,
-    the router and this process on the first core, the stand-in node on the others."""
     node_cores, router_cores = split_cores()
-    rows: dict[int, list[dict[str, Any]]] = {}
+    client_cores = node_cores if args.instant_client == "node" else router_cores
+    rows: dict[str, list[dict[str, Any]]] = {}
+    rng = random.Random(13)
+    long_len = args.system_len + args.question_len
+    for concurrency in args.overhead_concurrency:
+        # Above concurrency 1 tokens come at a node's pace: a closed loop against a node that
+        # answers everything at once only measures how fast the processes share the cores.
+        interval_ms = 0.0 if concurrency == 1 else args.instant_interval_ms
 
-    def start_node() -> Process:
-        argv = ["--tokens", str(args.output_len)]
-        program = (sys.executable, str(INSTANT_NODE))
-        node = launch("instant-node", argv, workdir, node_cores, 1, program)
-        wait_healthy(node)
-        return node
+        def start_node(interval_ms: float = interval_ms) -> Process:
+            argv = ["--tokens", str(args.output_len), "--interval-ms", str(interval_ms)]
+            program = (sys.executable, str(INSTANT_NODE))
+            node = launch("instant-node", argv, workdir, node_cores, 1, program)
+            wait_healthy(node)
+            return node
 
-    with behind_router(model, workdir, start_node, router_cores) as (node, router):
-        targets = {"direct": node.url, "router": router.url}
-        rng = random.Random(13)
-        for length in sorted({args.overhead_len, args.system_len + args.question_len}):
+        pair = behind_router(model, workdir, start_node, router_cores, client_cores)
+        with pair as (node, router):
+            targets = {"direct": node.url, "router": router.url}
+            lengths = sorted({args.overhead_len, long_len}) if concurrency == 1 else []
             for run in range(args.overhead_runs):
-                warm = random_texts(tokenizer, 8, length, rng)
-                asyncio.run(taking_turns(targets, warm, args.output_len))
-                prompts = random_texts(tokenizer, 2 * args.instant_requests, length, rng)
-                before = router.metrics()
-                results = asyncio.run(taking_turns(targets, prompts, args.output_len))
-                after = router.metrics()
-                direct, routed = results["direct"], results["router"]
-                paired = [1e3 * (r - d) for d, r in zip(direct.ttft_s, routed.ttft_s, strict=False)]
-                name = "pagedllm:router_added_latency_seconds"
-                count = after[f"{name}_count"] - before[f"{name}_count"]
-                row = {
-                    "run": run,
-                    "requests": len(routed.ttft_s),
-                    "errors": direct.errors + routed.errors,
-                    "direct_ttft_p50_ms": 1e3 * statistics.median(direct.ttft_s),
-                    "router_ttft_p50_ms": 1e3 * statistics.median(routed.ttft_s),
-                    "paired_added_ms": statistics.median(paired),
-                    "before_forward_ms": 1e3
-                    * (after[f"{name}_sum"] - before[f"{name}_sum"])
-                    / max(count, 1),
-                }
-                rows.setdefault(length, []).append(row)
-                print(f"(d) prompt {length} tokens, run {run}: {row}", flush=True)
+                for length in lengths or [args.overhead_len]:
+                    row = instant_run(
+                        targets, router, tokenizer, args, rng, length, concurrency, run
+                    )
+                    rows.setdefault(f"{length} tokens, c={concurrency}", []).append(row)
+                    print(f"(d) {length} tokens, c={concurrency}: {row}", flush=True)
     summary = {
-        length: {
-            key: statistics.median(r[key] for r in runs)
-            for key in (
-                "direct_ttft_p50_ms",
-                "router_ttft_p50_ms",
-                "paired_added_ms",
-                "before_forward_ms",
-            )
+        key: {
+            name: statistics.median(r[name] for r in runs)
+            for name in runs[0]
+            if name not in ("run", "requests", "errors")
         }
         | {"errors": sum(r["errors"] for r in runs)}
-        for length, runs in rows.items()
+        for key, runs in rows.items()
     }
-    return {"runs": rows, "summary": summary}
+    return {"runs": rows, "summary": summary, "client_cores": args.instant_client}
+
+
+def instant_run(
+    targets: dict[str, str],
+    router: Process,
+    tokenizer: Any,
+    args: argparse.Namespace,
+    rng: random.Random,
+    length: int,
+    concurrency: int,
+    run: int,
+) -> dict[str, Any]:
+    """One run of (d): warm-up, then the requests direct and routed; at concurrency 1 taking
+    turns (``added_ms`` is the median of each routed request against the direct one before
+    it), above it one closed loop each, the first alternating (the difference of p50s)."""
+    warm = random_texts(tokenizer, max(8, concurrency), length, rng)
+    for url in targets.values():
+        asyncio.run(closed_loop(url, warm, concurrency, args.output_len))
+    before = router.metrics()
+    if concurrency == 1:
+        prompts = random_texts(tokenizer, 2 * args.instant_requests, length, rng)
+        results = asyncio.run(taking_turns(targets, prompts, args.output_len))
+        direct, routed = results["direct"], results["router"]
+        paired = [1e3 * (r - d) for d, r in zip(direct.ttft_s, routed.ttft_s, strict=False)]
+        added = statistics.median(paired)
+    else:
+        # Clients staggered over one request's duration, so that requests arrive spread out
+        # as from independent users, not in bursts of 32 (each of which queues behind the
+        # others wherever it goes).
+        stagger_s = args.output_len * args.instant_interval_ms / 1e3 / concurrency
+        results = {}
+        for name in list(targets) if run % 2 == 0 else list(reversed(targets)):
+            prompts = random_texts(tokenizer, args.instant_requests, length, rng)
+            results[name] = asyncio.run(
+                closed_loop(targets[name], prompts, concurrency, args.output_len, stagger_s)
+            )
+        direct, routed = results["direct"], results["router"]
+        added = 1e3 * (statistics.median(routed.ttft_s) - statistics.median(direct.ttft_s))
+    after = router.metrics()
+    name = "pagedllm:router_added_latency_seconds"
+    count = after[f"{name}_count"] - before[f"{name}_count"]
+    return {
+        "run": run,
+        "requests": len(routed.ttft_s),
+        "errors": direct.errors + routed.errors,
+        "direct_ttft_p50_ms": 1e3 * statistics.median(direct.ttft_s),
+        "router_ttft_p50_ms": 1e3 * statistics.median(routed.ttft_s),
+        "added_ms": added,
+        "before_forward_ms": 1e3 * (after[f"{name}_sum"] - before[f"{name}_sum"]) / max(count, 1),
+        "direct_tokens_per_s": direct.summary()["output_tokens_per_s"],
+        "router_tokens_per_s": routed.summary()["output_tokens_per_s"],
+    }
 
 
 # ----- output --------------------------------------------------------------------------------
@@ -666,18 +714,17 @@ def plot(data: dict[str, Any], name: str) -> Path:
         ax.set_yscale("log")
         ax.set_title("TTFT, closed loop")
         ax.legend(fontsize=8)
-    if "overhead" not in data:
+    if "instant" not in data:
         axes[2].set_axis_off()
-        axes[2].text(0.5, 0.5, "router cost (c): not in this run", ha="center", va="center")
+        axes[2].text(0.5, 0.5, "router cost (d): not in this run", ha="center", va="center")
     else:
         ax = axes[2]
-        summary = data["overhead"]["summary"]
-        labels = [f"c={c}" for c in summary]
-        added = [s["added_ttft_p50_ms"] for s in summary.values()]
-        ax.bar(labels, added, color="tab:blue")
+        summary = data["instant"]["summary"]
+        ax.bar(list(summary), [s["added_ms"] for s in summary.values()], color="tab:blue")
         ax.axhline(TARGET_ADDED_TTFT_MS, color="grey", lw=0.8, ls="--", label="target")
         ax.set_ylabel("added p50 TTFT through the router (ms)")
-        ax.set_title("Router cost")
+        ax.set_title("Router cost (stand-in node)")
+        ax.tick_params(axis="x", labelsize=7)
         ax.legend(fontsize=8)
     return common.save_figure(fig, name)
 
@@ -703,21 +750,24 @@ def targets_of(data: dict[str, Any]) -> list[common.Target]:
     for concurrency, s in data.get("overhead", {}).get("summary", {}).items():
         targets.append(
             common.Target(
-                f"added p50 TTFT at c={concurrency}",
-                s["added_ttft_p50_ms"],
-                TARGET_ADDED_TTFT_MS,
-                at_most=True,
-                unit=" ms",
-            )
-        )
-        targets.append(
-            common.Target(
                 f"throughput loss at c={concurrency}",
                 s["throughput_loss"],
                 TARGET_THROUGHPUT_LOSS,
                 at_most=True,
             )
         )
+    overhead_len = data["settings"]["overhead_len"]
+    for key, s in data.get("instant", {}).get("summary", {}).items():
+        if key.startswith(f"{overhead_len} tokens,"):
+            targets.append(
+                common.Target(
+                    f"added p50 TTFT, {key} (d)",
+                    s["added_ms"],
+                    TARGET_ADDED_TTFT_MS,
+                    at_most=True,
+                    unit=" ms",
+                )
+            )
     return targets
 
 
@@ -735,8 +785,10 @@ OVERHEAD_COLUMNS = {
 INSTANT_COLUMNS = {
     "direct TTFT p50": "direct_ttft_p50_ms",
     "router TTFT p50": "router_ttft_p50_ms",
-    "added, paired median": "paired_added_ms",
+    "added": "added_ms",
     "router before forwarding": "before_forward_ms",
+    "direct tok/s": "direct_tokens_per_s",
+    "router tok/s": "router_tokens_per_s",
     "errors": "errors",
 }
 
@@ -798,6 +850,18 @@ def main() -> None:
         type=int,
         default=200,
         help="(d): requests per target, prompt length and run",
+    )
+    parser.add_argument(
+        "--instant-client",
+        choices=("node", "router"),
+        default="node",
+        help="(d): the load generator on the stand-in node's core, or on the router's",
+    )
+    parser.add_argument(
+        "--instant-interval-ms",
+        type=float,
+        default=30.0,
+        help="(d), above concurrency 1: the stand-in's time between a stream's tokens",
     )
     parser.add_argument("--name", default="fleet")
     args = parser.parse_args()
@@ -866,11 +930,12 @@ def main() -> None:
         if "d" in parts:
             data["instant"] = part_d(args, model, tokenizer, workdir)
             print_summary(
-                "prompt tokens",
+                "prompt, concurrency",
                 INSTANT_COLUMNS,
                 data["instant"]["summary"],
-                "(d) the router's added time to first token, a node that answers at once "
-                "(ms, medians of interleaved runs)",
+                "(d) the router's added time to first token, against a stand-in node "
+                f"(ms, medians of interleaved runs; load generator on the "
+                f"{args.instant_client}'s core)",
             )
     data["duration_s"] = time.monotonic() - started
     targets = targets_of(data)

@@ -43,7 +43,7 @@ def _event(body: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
-def app(tokens: int) -> web.Application:
+def app(tokens: int, interval_s: float) -> web.Application:
     ids = itertools.count()
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -57,6 +57,8 @@ def app(tokens: int) -> web.Application:
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         for i in range(count):
+            if i and interval_s:
+                await asyncio.sleep(interval_s)
             choice = _choice(" x", "length" if i == count - 1 else None)
             await response.write(_event(_completion(request_id, created, [choice])))
         if (body.get("stream_options") or {}).get("include_usage"):
@@ -100,10 +102,17 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument(
+        "--interval-ms",
+        type=float,
+        default=0.0,
+        help="time between a stream's tokens, the first sent at once (a node's decode step)",
+    )
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level.upper())
-    web.run_app(app(args.tokens), host=args.host, port=args.port, print=None)
+    application = app(args.tokens, args.interval_ms / 1e3)
+    web.run_app(application, host=args.host, port=args.port, print=None)
 
 
 if __name__ == "__main__":
