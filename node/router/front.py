@@ -10,6 +10,7 @@ validated by the same request models, and every error leaves in OpenAI's shape.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -21,14 +22,15 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.api.errors import ApiError, error_response, invalid_request
+from pagedllm.api.event_stream import until_disconnect
 from pagedllm.api.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.router.prompts import routing_prompt
-from pagedllm.router.proxy import UpstreamResponse
 from pagedllm.router.state import RouterState
 
 log = logging.getLogger(__name__)
 
-FORWARDED: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
+RequestModel = type[CompletionRequest] | type[ChatCompletionRequest]
+FORWARDED: dict[str, RequestModel] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
 }
@@ -51,34 +53,45 @@ class ForwardingFront:
             await self.rest(scope, receive, send)
             return
         if scope["method"] != "POST":
-            response: Response = error_response(
-                ApiError(405, "Method Not Allowed", headers={"Allow": "POST"})
-            )
-        else:
-            try:
-                response = await self._route(scope, receive, model)
-            except ClientGone:
-                return
-            except ApiError as error:
-                response = error_response(error)
-            except Exception as error:  # noqa: BLE001 - answered as FastAPI's routes answer
-                log.exception("unexpected error")
-                response = error_response(ApiError(500, f"internal error: {error}", "server_error"))
-        await response(scope, receive, send)
+            refusal = ApiError(405, "Method Not Allowed", headers={"Allow": "POST"})
+            await error_response(refusal)(scope, receive, send)
+            return
+        self.state.in_flight += 1  # until the answer's last byte is relayed
+        try:
+            await self._serve(scope, receive, send, model)
+        finally:
+            self.state.in_flight -= 1
 
-    async def _route(
-        self,
-        scope: Scope,
-        receive: Receive,
-        model: type[CompletionRequest] | type[ChatCompletionRequest],
-    ) -> Response:
-        """Tokenize, choose, forward the body as it came (the node parses it again: its
-        answer is the same as without the router)."""
-        state = self.state
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, model: RequestModel) -> None:
         arrived = time.perf_counter()
-        state.in_flight += 1
         try:
             raw = await _body(receive)
+        except ClientGone:
+            return
+        except ApiError as error:  # over the body limit
+            await error_response(error)(scope, receive, send)
+            return
+        departure = Departure(receive)
+        try:
+            response = await self._forward(scope, receive, raw, model, arrived)
+            await response(scope, receive, send)
+        except asyncio.CancelledError:
+            if not departure.left:
+                raise
+            # The client left: the backend's answer, if any, was closed (which aborts the
+            # request there) and nobody reads an answer from here.
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        finally:
+            departure.close()
+
+    async def _forward(
+        self, scope: Scope, receive: Receive, raw: bytes, model: RequestModel, arrived: float
+    ) -> Response:
+        """Parse, tokenize, choose, forward the body as it came (the node parses it again: its
+        answer is the same as without the router); errors before the backend's answer as a
+        node's."""
+        state = self.state
+        try:
             body = _parse(raw, model)
             prompt = await routing_prompt(state.ctx, body)
             backends = await state.router.ready_backends()
@@ -90,21 +103,35 @@ class ForwardingFront:
                 lambda: state.metrics.routing_seconds.observe(time.perf_counter() - arrived)
             )
             content_type = _header(scope, b"content-type") or "application/json"
-            response = await state.forwarder.forward(
-                scope["path"], content_type, raw, receive, choice.order, choice.key, sent
+            return await state.forwarder.forward(
+                scope["path"], content_type, raw, choice.order, choice.key, sent
             )
-        except BaseException:
-            state.in_flight -= 1
-            raise
-        if isinstance(response, UpstreamResponse):  # in flight until its last byte is relayed
+        except ApiError as error:
+            return error_response(error)
+        except Exception as error:  # noqa: BLE001 - answered as FastAPI's routes answer
+            log.exception("unexpected error")
+            return error_response(ApiError(500, f"internal error: {error}", "server_error"))
 
-            def done() -> None:
-                state.in_flight -= 1
 
-            response.on_close.append(done)
-        else:
-            state.in_flight -= 1
-        return response
+class Departure:
+    """Cancels the task serving a request when its client disconnects: one watcher for the
+    whole request, the wait for the backend and the relay of its answer alike (a watcher for
+    each cost every first token two more tasks)."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.left = False
+        self._serving = asyncio.current_task()
+        self._watch = asyncio.ensure_future(until_disconnect(receive))
+        self._watch.add_done_callback(self._on_disconnect)
+
+    def _on_disconnect(self, watch: asyncio.Future[None]) -> None:
+        if not watch.cancelled() and watch.exception() is None and self._serving is not None:
+            self.left = True
+            self._serving.cancel()
+
+    def close(self) -> None:
+        self._watch.remove_done_callback(self._on_disconnect)
+        self._watch.cancel()
 
 
 async def _body(receive: Receive) -> bytes:
@@ -118,9 +145,7 @@ async def _body(receive: Receive) -> bytes:
             return b"".join(chunks)
 
 
-def _parse(
-    raw: bytes, model: type[CompletionRequest] | type[ChatCompletionRequest]
-) -> CompletionRequest | ChatCompletionRequest:
+def _parse(raw: bytes, model: RequestModel) -> CompletionRequest | ChatCompletionRequest:
     """The body as the request model, validated from Python objects as FastAPI does (JSON
     mode would differ in what it coerces)."""
     try:

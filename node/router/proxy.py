@@ -21,7 +21,6 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from pagedllm.api.errors import ApiError, error_response, unavailable
-from pagedllm.api.event_stream import unless_disconnected
 from pagedllm.router.fleet import Fleet
 from pagedllm.router.metrics import RouterMetrics
 
@@ -29,13 +28,11 @@ log = logging.getLogger(__name__)
 
 # What is passed back from the backend's answer (the body is streamed, so no Content-Length).
 RELAYED_HEADERS = ("content-type", "retry-after", "cache-control", "x-accel-buffering")
-# Status for a client that left before the answer: nobody reads it (nginx's convention).
-CLIENT_CLOSED = 499
 
 
 class UpstreamResponse(Response):
     """Relays a backend's streaming answer; closes it (and so aborts the request upstream)
-    however the relay ends, and then calls each of ``on_close`` once."""
+    however the relay ends, and then calls ``on_close``."""
 
     def __init__(self, upstream: aiohttp.ClientResponse, on_close: Callable[[], None]) -> None:
         super().__init__(status_code=upstream.status)
@@ -45,17 +42,18 @@ class UpstreamResponse(Response):
             if k.lower() in RELAYED_HEADERS
         ]
         self.upstream = upstream
-        self.on_close = [on_close]
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # A client that leaves cancels the task serving it (``front.Departure``), which ends
+        # the relay wherever it waits.
         try:
-            await unless_disconnected(self._relay(send), receive)
+            await self._relay(send)
         except (OSError, aiohttp.ClientError) as error:
             # The client went away mid-write, or the backend mid-answer: the answer stays cut.
             log.info("relay from %s ended early: %s", self.upstream.url, error)
         finally:
-            for callback in self.on_close:
-                callback()
+            self.on_close()
             # Read to its end, the connection goes back to the pool; cut short, closing it
             # is what aborts the request at the node.
             if self.upstream.content.at_eof():
@@ -88,15 +86,13 @@ class Forwarder:
         path: str,
         content_type: str,
         body: bytes,
-        receive: Receive,
         order: list[str],
         key: bytes,
         on_sent: Callable[[], None],
     ) -> Response:
         """The first answer of the backends in ``order`` that neither refuses the connection
         nor answers 503; ``key`` is the prompt's placement key, counted in flight where the
-        request goes; ``on_sent`` is called when the request first leaves for a backend;
-        ``receive`` tells when the client leaves meanwhile."""
+        request goes; ``on_sent`` is called when the request first leaves for a backend."""
         headers = {"content-type": content_type, **self.auth_headers()}
         refusals: list[str] = []
         last_503: dict[str, Any] | None = None
@@ -108,10 +104,7 @@ class Forwarder:
             handed_over = False
             try:
                 on_sent()
-                send = self.client.post(url + path, data=body, headers=headers)
-                upstream = await unless_disconnected(send, receive)
-                if upstream is None:
-                    return Response(status_code=CLIENT_CLOSED)
+                upstream = await self.client.post(url + path, data=body, headers=headers)
                 if upstream.status == 503:
                     last_503 = await _read_error(upstream)
                     self.metrics.upstream_errors.labels(url, "unavailable").inc()
