@@ -96,6 +96,15 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyTooLarge(HTTPException):
+    """A body that grew past the limit while being read: an HTTPException, as FastAPI turns any
+    other exception raised while it reads a body into a 400."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.status, error.message)
+        self.error = error
+
+
 class BodyLimitMiddleware:
     """413 for a body over ``limit`` bytes: at once from Content-Length, or as soon as a
     chunked body grows past it."""
@@ -119,7 +128,7 @@ class BodyLimitMiddleware:
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.limit:
-                raise self._too_large()
+                raise BodyTooLarge(self._too_large())
             return message
 
         await self.app(scope, counting_receive, send)
@@ -153,6 +162,10 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
         return error_response(error)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(_: Request, error: BodyTooLarge) -> JSONResponse:
+        return error_response(error.error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:

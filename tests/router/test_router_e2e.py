@@ -31,7 +31,13 @@ from pagedllm.router.routing import Router, RoutingSettings
 from pagedllm.router.server import new_client_session
 from pagedllm.router.state import RouterState
 from tests.router.router_harness import ready_backends, start_router, wait_for
-from tests.serve.serve_harness import DEMO_MODEL, Server, free_port, start_server
+from tests.serve.serve_harness import (
+    DEMO_MODEL,
+    Server,
+    free_port,
+    oversized_chunks,
+    start_server,
+)
 from tests.serve.test_serve_lifecycle import TORCH_LIBRARY, mapped_files
 
 KEY = "router-test-key"
@@ -134,6 +140,13 @@ def test_errors_come_back_in_the_nodes_shape(router: Server, nodes: list[Server]
         timeout=30,
     )
     assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "request_too_large"
+    chunked = httpx.post(
+        f"{router.url}/v1/completions",
+        content=oversized_chunks(DEMO_MODEL),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
     # What is refused before any routing, as a node refuses it.
     auth = {"Authorization": f"Bearer {KEY}"}
     for target in (router, nodes[0]):

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,3 +150,12 @@ def start_command(
             raise AssertionError(f"pagedllm {command} did not become ready:\n{server.log()}")
         time.sleep(0.2)
     return server
+
+
+def oversized_chunks(model: str = "errors-model") -> Iterator[bytes]:
+    """A completion request's body just over the 8 MiB body limit, in 1 MiB chunks (sent so,
+    it has no Content-Length: the server must count it as it arrives)."""
+    yield b'{"model": "' + model.encode() + b'", "prompt": "'
+    for _ in range(8):
+        yield b"a" * (1 << 20)
+    yield b"a" * 65536 + b'"}'

@@ -14,7 +14,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.serve.serve_harness import Server, start_server
+from tests.serve.serve_harness import Server, oversized_chunks, start_server
 
 API_KEY = "sk-test-key"
 MODEL = "errors-model"
@@ -47,7 +47,7 @@ def post(
     path: str,
     body: Any = None,
     *,
-    content: bytes | None = None,
+    content: bytes | Iterator[bytes] | None = None,
     key: str | None = API_KEY,
 ) -> httpx.Response:
     headers = {"Content-Type": "application/json"}
@@ -190,6 +190,10 @@ def test_prompts_longer_than_max_model_len_are_400_with_the_lengths(server: Serv
 def test_oversized_bodies_are_413(server: Server) -> None:
     body = b'{"model": "errors-model", "prompt": "' + b"a" * (9 << 20) + b'"}'
     assert_error(post(server, "/v1/completions", content=body), 413)
+    # Sent chunked, with no Content-Length, it is refused once it grows past the limit.
+    chunked = post(server, "/v1/completions", content=oversized_chunks())
+    assert_error(chunked, 413)
+    assert chunked.json()["error"]["code"] == "request_too_large"
 
 
 def test_a_full_queue_answers_503_with_retry_after(server: Server) -> None:
