@@ -614,9 +614,10 @@ def part_d(args, model, tokenizer, workdir) -> dict[str, Any]:
         pair = behind_router(model, workdir, start_node, router_cores, client_cores)
         with pair as (node, router):
             targets = {"direct": node.url, "router": router.url}
-            lengths = sorted({args.overhead_len, long_len}) if concurrency == 1 else []
+            short = args.overhead_len
+            lengths = sorted({short, long_len}) if concurrency == 1 else [short]
             for run in range(args.overhead_runs):
-                for length in lengths or [args.overhead_len]:
+                for length in lengths:
                     row = instant_run(
                         targets, router, tokenizer, args, rng, length, concurrency, run
                     )

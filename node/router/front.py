@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -25,6 +26,7 @@ from pagedllm.api.app import BodyTooLarge
 from pagedllm.api.errors import ApiError, error_response, invalid_request
 from pagedllm.api.event_stream import until_disconnect
 from pagedllm.api.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.router.hashing import PromptHashes
 from pagedllm.router.prompts import routing_prompt
 from pagedllm.router.state import RouterState
 
@@ -35,10 +37,6 @@ FORWARDED: dict[str, RequestModel] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
 }
-
-
-class ClientGone(Exception):
-    """The client disconnected before its body arrived whole."""
 
 
 @dataclass
@@ -65,16 +63,17 @@ class ForwardingFront:
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, model: RequestModel) -> None:
         arrived = time.perf_counter()
+        request = Request(scope, receive)
         try:
-            raw = await _body(receive)
-        except ClientGone:
+            raw = await request.body()
+        except ClientDisconnect:
             return
         except BodyTooLarge as error:
             await error_response(error.error)(scope, receive, send)
             return
         departure = Departure(receive)
         try:
-            response = await self._forward(scope, raw, model, arrived)
+            response = await self._forward(request, raw, model, arrived)
             await response(scope, receive, send)
         except asyncio.CancelledError:
             if not departure.left:
@@ -86,7 +85,7 @@ class ForwardingFront:
             departure.close()
 
     async def _forward(
-        self, scope: Scope, raw: bytes, model: RequestModel, arrived: float
+        self, request: Request, raw: bytes, model: RequestModel, arrived: float
     ) -> Response:
         """Parse, tokenize, choose, forward the body as it came (the node parses it again: its
         answer is the same as without the router); errors before the backend's answer as a
@@ -96,16 +95,16 @@ class ForwardingFront:
             body = _parse(raw, model)
             prompt = await routing_prompt(state.ctx, body)
             backends = await state.router.ready_backends()
-            tokens = prompt.head
-            if prompt.rest is not None and state.router.holds_all(tokens, backends):
-                tokens = await prompt.whole(state.ctx)
-            choice = state.router.choose(tokens, backends)
+            hashes = PromptHashes(prompt.head)
+            if prompt.rest is not None and state.router.holds_all(hashes, backends):
+                hashes = PromptHashes(await prompt.whole(state.ctx))
+            choice = state.router.choose(hashes, backends)
             sent = _once(
                 lambda: state.metrics.routing_seconds.observe(time.perf_counter() - arrived)
             )
-            content_type = _header(scope, b"content-type") or "application/json"
+            content_type = request.headers.get("content-type", "application/json")
             return await state.forwarder.forward(
-                scope["path"], content_type, raw, choice.order, choice.key, sent
+                request.url.path, content_type, raw, choice.order, choice.key, sent
             )
         except ApiError as error:
             return error_response(error)
@@ -135,17 +134,6 @@ class Departure:
         self._watch.cancel()
 
 
-async def _body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
 def _parse(raw: bytes, model: RequestModel) -> CompletionRequest | ChatCompletionRequest:
     """The body as the request model, validated from Python objects as FastAPI does (JSON
     mode would differ in what it coerces)."""
@@ -157,13 +145,6 @@ def _parse(raw: bytes, model: RequestModel) -> CompletionRequest | ChatCompletio
         return model.model_validate(value)
     except ValidationError as error:
         raise invalid_request(error.errors()) from None
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return value.decode("latin-1")
-    return None
 
 
 def _once(function: Callable[[], None]) -> Callable[[], None]:

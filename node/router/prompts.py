@@ -55,9 +55,8 @@ async def routing_prompt(
             return RoutingPrompt(first)
         ctx.check_prompt_bytes(first)
         text, chat = first, False
-    if len(text) <= HEAD_CHARS:
-        return RoutingPrompt(await _tokens(ctx, text, chat, HEAD_CHARS))
-    return RoutingPrompt(await _tokens(ctx, text, chat, HEAD_CHARS), (text, chat))
+    head = await _tokens(ctx, text, chat, HEAD_CHARS)
+    return RoutingPrompt(head, None if len(text) <= HEAD_CHARS else (text, chat))
 
 
 async def routing_tokens(

@@ -110,35 +110,31 @@ class Router:
             )
         return ready
 
-    def holds_all(self, token_ids: list[int], backends: list[Backend]) -> bool:
-        """Whether some backend holds, or will, every full block of ``token_ids``: only then
-        can the tokens after them change the choice."""
-        prompt = PromptHashes(token_ids)
+    def holds_all(self, prompt: PromptHashes, backends: list[Backend]) -> bool:
+        """Whether some backend holds, or will, every full block of ``prompt``: only then can
+        the tokens after them change the choice."""
         now = time.monotonic()
         for b in backends:
             if b.residency is None:
                 continue
-            hashes = prompt.for_scheme(b.residency.scheme)
-            held = cached_tokens(b, hashes, self._pending_of(b.url), now)
-            if held == len(hashes) * b.residency.scheme.block_size:
+            blocks = len(prompt.for_scheme(b.residency.scheme))
+            if self._cached(prompt, b, now) == blocks * b.residency.scheme.block_size:
                 return True
         return False
 
-    def choose(self, token_ids: list[int], backends: list[Backend]) -> Choice:
-        prompt = PromptHashes(token_ids)
+    def choose(self, prompt: PromptHashes, backends: list[Backend]) -> Choice:
         now = time.monotonic()
-        ready = [b for b in backends if b.residency is not None]
-        hashes = {b.url: prompt.for_scheme(b.residency.scheme) for b in ready}  # type: ignore[union-attr]
-        key = placement_key(token_ids)
+        ready = {b.url: b for b in backends if b.residency is not None}
+        key = placement_key(prompt.token_ids)
         candidates = [
             Candidate(
                 b.url,
-                cached_tokens(b, hashes[b.url], self._pending_of(b.url), now),
+                self._cached(prompt, b, now),
                 b.load,
                 self._placed.get(b.url, 0),
                 b.prompts[key],
             )
-            for b in ready
+            for b in ready.values()
         ]
         if self.settings.policy == Policy.RANDOM:
             turn = self.rng.randrange(len(candidates))
@@ -146,13 +142,20 @@ class Router:
             turn, self._turn = self._turn, self._turn + 1
         choice = choose(self.settings.policy, candidates, key, self.settings.load_bound, turn)
         chosen = choice.order[0]
-        self._pending_of(chosen).add(hashes[chosen], now)
+        scheme = ready[chosen].residency.scheme  # type: ignore[union-attr]
+        self._pending_of(chosen).add(prompt.for_scheme(scheme), now)
         if choice.reason == Reason.FALLBACK:
             self._placed[chosen] = self._placed.get(chosen, 0) + 1
         self._forget_gone()
         self.metrics.routed.labels(choice.reason.value).inc()
         self.metrics.cached_tokens.observe(choice.cached_tokens)
         return choice
+
+    def _cached(self, prompt: PromptHashes, backend: Backend, now: float) -> int:
+        """The leading tokens of ``prompt`` that ``backend`` (which has a residency) holds, or
+        will once what was sent to it is prefilled."""
+        hashes = prompt.for_scheme(backend.residency.scheme)  # type: ignore[union-attr]
+        return cached_tokens(backend, hashes, self._pending_of(backend.url), now)
 
     def _pending_of(self, url: str) -> Pending:
         pending = self._pending.get(url)

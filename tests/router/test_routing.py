@@ -7,7 +7,7 @@ import asyncio
 
 from pagedllm.router.feed_messages import Load
 from pagedllm.router.fleet import Backend, Fleet
-from pagedllm.router.hashing import HashScheme, block_hashes
+from pagedllm.router.hashing import HashScheme, PromptHashes, block_hashes
 from pagedllm.router.metrics import RouterMetrics
 from pagedllm.router.policy import Reason
 from pagedllm.router.residency import Residency
@@ -39,14 +39,14 @@ def test_new_prompts_spread_evenly_and_their_twins_follow() -> None:
         fleet, router = fleet_of_three()
         first: dict[int, str] = {}
         for system in range(8):
-            choice = router.choose(prompt(system, 0), fleet.ready())
+            choice = router.choose(PromptHashes(prompt(system, 0)), fleet.ready())
             assert choice.reason == Reason.FALLBACK
             first[system] = choice.order[0]
         per_node = sorted(list(first.values()).count(u) for u in URLS)
         assert per_node == [2, 3, 3]
         # Before any feed reports them, the twins go where their prompt went, as prefix hits.
         for system in range(8):
-            choice = router.choose(prompt(system, 1), fleet.ready())
+            choice = router.choose(PromptHashes(prompt(system, 1)), fleet.ready())
             assert choice.order[0] == first[system]
             assert choice.reason == Reason.PREFIX and choice.cached_tokens == 256
         await fleet.close()
@@ -57,16 +57,16 @@ def test_new_prompts_spread_evenly_and_their_twins_follow() -> None:
 def test_what_the_feed_reports_wins_over_where_the_router_sent() -> None:
     async def scenario() -> None:
         fleet, router = fleet_of_three()
-        sent = router.choose(prompt(0, 0), fleet.ready()).order[0]
+        sent = router.choose(PromptHashes(prompt(0, 0)), fleet.ready()).order[0]
         # Meanwhile another node reports holding the whole prompt and more.
         other = next(u for u in URLS if u != sent)
         longer = prompt(0, 0) + [9] * 64
         fleet.backends[other].residency = Residency(SCHEME, set(block_hashes(longer, SCHEME)))
-        choice = router.choose(longer, fleet.ready())
+        choice = router.choose(PromptHashes(longer), fleet.ready())
         assert choice.order[0] == other and choice.cached_tokens == 352
         # A backend that left is forgotten.
         fleet.set_backends([u for u in URLS if u != sent])
-        router.choose(prompt(1, 0), fleet.ready())
+        router.choose(PromptHashes(prompt(1, 0)), fleet.ready())
         assert sent not in router._pending
         await fleet.close()
 
@@ -80,14 +80,14 @@ def test_a_head_decides_unless_a_node_holds_all_of_it() -> None:
     async def scenario() -> None:
         fleet, router = fleet_of_three()
         head = prompt(0, 0)[:256]
-        assert not router.holds_all(head, fleet.ready())
+        assert not router.holds_all(PromptHashes(head), fleet.ready())
         # Half the head cached on one node: the rest of the prompt cannot change the choice.
         half = block_hashes(head, SCHEME)[:8]
         fleet.backends[URLS[0]].residency = Residency(SCHEME, set(half))
-        assert not router.holds_all(head, fleet.ready())
+        assert not router.holds_all(PromptHashes(head), fleet.ready())
         # Sent somewhere whole, the head is held there until the feed says otherwise.
-        router.choose(prompt(0, 0), fleet.ready())
-        assert router.holds_all(head, fleet.ready())
+        router.choose(PromptHashes(prompt(0, 0)), fleet.ready())
+        assert router.holds_all(PromptHashes(head), fleet.ready())
         await fleet.close()
 
     asyncio.run(scenario())
