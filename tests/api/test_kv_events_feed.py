@@ -158,6 +158,8 @@ def test_503_until_the_node_is_ready_and_the_scheduler_said_how_it_hashes() -> N
             assert answer.status_code == 503
             assert answer.json()["error"]["code"] == "starting"
             node.send(LAYOUT)
+            # The layout crosses a socket: subscribe once the API server has it.
+            await node.until(lambda: node.client.kv_events.ready, "the feed to be ready")
             subscriber = Subscriber(http, node.url)
             (snapshot,) = await subscriber.wait_lines(1)
             assert snapshot == {
