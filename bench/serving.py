@@ -38,7 +38,8 @@ import common
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PEERS_VENV = Path(tempfile.gettempdir()) / "pagedllm-peers"
-PEER_PACKAGES = ["torch==2.13.0", "transformers[serving]==5.24.0", "openai", "guidellm==0.8.1"]
+# The peers' venv installs the versions of the lock (requirements/peers.txt, `make lock`).
+LOCK = REPO / "requirements"
 SERVERS = ("pagedllm", "transformers")
 TARGET_CONCURRENCY = 20
 TARGET_THROUGHPUT = 3.0
@@ -59,7 +60,10 @@ class Server:
 def setup_peers(venv: Path) -> None:
     if not (venv / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *PEER_PACKAGES], check=True)
+    pip = [str(venv / "bin" / "pip"), "install", "-q", "--require-hashes"]
+    # pip and torch's CPU build first, alone, from PyTorch's index; the rest from PyPI.
+    subprocess.run([*pip, "--no-deps", "-r", str(LOCK / "bootstrap.txt")], check=True)
+    subprocess.run([*pip, "-r", str(LOCK / "peers.txt")], check=True)
 
 
 def thread_env(threads: int) -> dict[str, str]:

@@ -2,7 +2,7 @@
 # The end-to-end scenario of e2e/test_scenario.py on a real cluster: whatever cluster the
 # current kubectl context reaches (kind, k3d, a cloud cluster). It builds and ships the image,
 # installs the operator (kubectl apply -k manifests/), and then walks the user's journey:
-# apply a PagedLLM, wait, use it with the openai SDK (e2e/client_checks.py), scale, roll out
+# apply a PagedLLM, wait, use it with the openai SDK (testing/pagedllm_testing/client_checks.py), scale, roll out
 # while streaming, autoscale on queue depth, delete.
 #
 #   make install-test                   # the client script needs openai and httpx
@@ -109,7 +109,7 @@ step "completions and chat through a port-forwarded Service (openai SDK)"
 "${K[@]}" port-forward "svc/$NAME" "$PORT:80" >/dev/null &
 BACKGROUND+=($!)
 wait_for_url "http://127.0.0.1:$PORT/v1/models"
-"$PYTHON" e2e/client_checks.py --base-url "http://127.0.0.1:$PORT/v1" --model "$MODEL"
+"$PYTHON" -m pagedllm_testing.client_checks --base-url "http://127.0.0.1:$PORT/v1" --model "$MODEL"
 
 # kubectl port-forward pins one pod, which a rollout replaces; the API server's service proxy
 # picks a ready endpoint per request, as clients inside the cluster see the Service.
@@ -124,7 +124,7 @@ step "kubectl scale pllm/$NAME --replicas=3: three ready pods"
 "${K[@]}" wait --for=condition=Ready "pllm/$NAME" --timeout=5m
 
 step "rolling update (spec.engine.maxNumSeqs: 2) while a client keeps streaming"
-"$PYTHON" e2e/client_checks.py --base-url "$SERVICE_URL" --model "$MODEL" --stream-for 3600 &
+"$PYTHON" -m pagedllm_testing.client_checks --base-url "$SERVICE_URL" --model "$MODEL" --stream-for 3600 &
 STREAMER=$!
 BACKGROUND+=("$STREAMER")
 sleep 5
@@ -147,7 +147,7 @@ AUTOSCALING='{"minReplicas":1,"maxReplicas":3,"metric":"waitingRequests","target
 "${K[@]}" wait --for=jsonpath='{.status.replicas}'=1 "pllm/$NAME" --timeout=5m
 
 step "load (8 streaming clients) raises queue depth: replicas grow"
-"$PYTHON" e2e/client_checks.py --base-url "$SERVICE_URL" --model "$MODEL" --load 8 \
+"$PYTHON" -m pagedllm_testing.client_checks --base-url "$SERVICE_URL" --model "$MODEL" --load 8 \
     --duration 3600 &
 LOAD=$!
 BACKGROUND+=("$LOAD")

@@ -24,14 +24,16 @@ import httpx
 import pytest
 import yaml
 
-from e2e.client_checks import MAX_TOKENS, KeepStreaming, Load, StreamStats, run_checks
-from e2e.client_checks import client as openai_client
-from e2e.cluster_autoscaler_standin import ClusterAutoscalerStandin, NodeGroup, Timers
-from e2e.deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
-from e2e.emulator.requests import MUTATING_METHODS
-from e2e.gitops_standin import GitOpsStandin
-from e2e.kubelet_standin import HOST_PORTS_ANNOTATION
-from e2e.local_cluster import (
+from pagedllm.operator.autoscaler import parse_prometheus_value
+from pagedllm.operator.kube import FIELD_MANAGER
+from pagedllm_testing.client_checks import MAX_TOKENS, KeepStreaming, Load, StreamStats, run_checks
+from pagedllm_testing.client_checks import client as openai_client
+from pagedllm_testing.cluster_autoscaler_standin import ClusterAutoscalerStandin, NodeGroup, Timers
+from pagedllm_testing.deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
+from pagedllm_testing.emulator.requests import MUTATING_METHODS
+from pagedllm_testing.gitops_standin import GitOpsStandin
+from pagedllm_testing.kubelet_standin import HOST_PORTS_ANNOTATION
+from pagedllm_testing.local_cluster import (
     FAST_OPERATOR_ENV,
     GPU_GROUP,
     NAMESPACE,
@@ -39,9 +41,7 @@ from e2e.local_cluster import (
     LocalCluster,
     eventually,
 )
-from e2e.scheduler_standin import node_gpus
-from pagedllm.operator.autoscaler import parse_prometheus_value
-from pagedllm.operator.kube import FIELD_MANAGER
+from pagedllm_testing.scheduler_standin import node_gpus
 
 SCENARIO = REPO / "e2e" / "demo-pagedllm.yaml"
 NAME = "demo"

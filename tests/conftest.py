@@ -8,6 +8,11 @@ import pytest
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# transformers is the parity baseline: its own PyTorch layers, not kernels fetched from the Hub
+# (transformers >= 5.25 swaps some in by default; there is no network here and the numerics
+# must not depend on a variable nobody set). Set for every process the tests start as well.
+os.environ["USE_HUB_KERNELS"] = "NO"
+
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels_built():

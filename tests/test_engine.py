@@ -12,7 +12,7 @@ from transformers import GenerationConfig, LlamaConfig, MistralConfig, Qwen2Conf
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.llm_engine import LLMEngine
-from tests.tiny_models import save_engine_model
+from pagedllm_testing.tiny_models import save_engine_model
 
 VOCAB = 128
 TINY = dict(

@@ -27,7 +27,7 @@ from pagedllm.core.block_manager import root_hash
 from pagedllm.core.kv_events import CacheEvent, NodeLoad, group_updates
 from pagedllm.ipc import messages, sockets
 from pagedllm.serve.metrics import RequestRecorder
-from tests.serve.serve_harness import free_port
+from pagedllm_testing.serve_harness import free_port
 
 LAYOUT = messages.CacheLayout(block_size=16, hash_seed=7, num_blocks=64)
 ROOT = root_hash(7)

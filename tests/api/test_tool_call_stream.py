@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pagedllm.api.tool_call_stream import ToolCallStream, stable_arguments
 from pagedllm.api.tool_calls import ToolPlan
 from pagedllm.api.tool_parsers import PARSERS
-from tests.api.openai_stream import Accumulated, accumulate
+from pagedllm_testing.openai_stream import Accumulated, accumulate
 
 ARGS = {"city": 'Zürich "old" town', "days": [1, 2.5, -30], "metric": True, "note": None}
 ARGS_TEXT = json.dumps(ARGS)

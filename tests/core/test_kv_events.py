@@ -15,7 +15,7 @@ from pagedllm.core.kv_events import (
     group_updates,
     parents_first,
 )
-from tests.core.test_block_manager import SchedulerMachine
+from pagedllm_testing.scheduler_machine import SchedulerMachine
 
 
 def chain(token_ids: list[int], block_size: int, seed: int = 0) -> dict[bytes, bytes]:

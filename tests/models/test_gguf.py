@@ -1,7 +1,7 @@
 """GGUF files as a model source: config from metadata, weights de-quantized and un-permuted,
 every claimed tensor type checked, and the errors a bad file gets.
 
-The files are written here with the ``gguf`` package (tests/gguf_files.py) from small
+The files are written here with the ``gguf`` package (``pagedllm_testing.gguf_files``) from small
 Hugging Face checkpoints, so each GGUF-loaded parameter has a known answer.
 """
 
@@ -25,15 +25,15 @@ from pagedllm.models.gguf import SUPPORTED_TENSOR_TYPES, GGUFFile, find_gguf_fil
 from pagedllm.models.gguf_weights import dequantize, unpermute_rotary_rows
 from pagedllm.models.layers import FrequencyFactorRopeScaling
 from pagedllm.models.loader import load_model
-from tests.gguf_files import llama_cpp_permute, write_gguf, write_tensors
-from tests.models.test_models import (
+from pagedllm_testing.gguf_files import llama_cpp_permute, write_gguf, write_tensors
+from pagedllm_testing.paged_logits import (
     CASES,
     assert_logits_match,
     hf_logits,
     paged_logits,
     token_sequences,
 )
-from tests.tiny_models import save_engine_model, save_hf_model
+from pagedllm_testing.tiny_models import save_engine_model, save_hf_model
 
 # Four query heads over two KV heads, an untied head (output.weight), a vocabulary the demo
 # tokenizer's ids fit in.

@@ -19,7 +19,7 @@ from pagedllm.models import ModelLoadError
 from pagedllm.models.demo import demo_model_dir
 from pagedllm.models.gguf_tokenizer import tokenizer_cache_dir
 from pagedllm.models.tokenizer import load_tokenizer
-from tests.gguf_files import write_gguf
+from pagedllm_testing.gguf_files import write_gguf
 
 TEXTS = [
     "Hello, my name is",

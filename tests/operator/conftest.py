@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.operator.operator_harness import (
+from pagedllm_testing.operator_harness import (
     KOPF_RUN,
     EmulatorThread,
     Kube,

@@ -11,16 +11,16 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.cluster_autoscaler_standin import (
+from pagedllm_testing.cluster_autoscaler_standin import (
     ClusterAutoscalerStandin,
     NodeGroup,
     Timers,
     nodes_to_add,
     unneeded,
 )
-from e2e.emulator.running import EmulatorThread
-from e2e.scheduler_standin import SchedulerStandin, SlotRule, node_manifest, place
-from tests.operator.operator_harness import Kube
+from pagedllm_testing.emulator.running import EmulatorThread
+from pagedllm_testing.operator_harness import Kube
+from pagedllm_testing.scheduler_standin import SchedulerStandin, SlotRule, node_manifest, place
 
 RULE = SlotRule(labels={"role": "serving"})
 GROUP = NodeGroup("gpu", gpus_per_node=2, min_nodes=1, max_nodes=3)

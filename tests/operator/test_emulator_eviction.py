@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from e2e.emulator.disruption import Budget, budget, eviction_allowed
-from tests.operator.operator_harness import Kube, Kubectl, KubeError
+from pagedllm_testing.emulator.disruption import Budget, budget, eviction_allowed
+from pagedllm_testing.operator_harness import Kube, Kubectl, KubeError
 
 OWNER_UID = "rs-uid"
 

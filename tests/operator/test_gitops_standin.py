@@ -3,7 +3,7 @@ nothing): a moved generation is caught unless the autoscaler's write explains it
 
 from __future__ import annotations
 
-from e2e.gitops_standin import Seen, moved, raced, without_replicas
+from pagedllm_testing.gitops_standin import Seen, moved, raced, without_replicas
 
 STILL = Seen(generation=4, replicas=2, deployment_generation=7, deployment_replicas=2)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.operator.operator_harness import PLLM, Kube, eventually, pagedllm
+from pagedllm_testing.operator_harness import PLLM, Kube, eventually, pagedllm
 
 pytestmark = pytest.mark.usefixtures("crd", "operator_process")
 

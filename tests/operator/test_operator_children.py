@@ -9,65 +9,15 @@ import kubernetes_validate
 import pytest
 
 from pagedllm.operator.children import (
-    Owner,
     build_children,
     build_deployment,
     build_horizontal_autoscaler,
     serve_args,
 )
 from pagedllm.operator.spec import PagedLLMSpec, effective_replicas, parse_spec
+from pagedllm_testing.operator_harness import OWNER, SPECS
 
 KUBERNETES_VERSION = "1.32"
-OWNER = Owner(name="llama", namespace="models", uid="0b3a2c1e-0000-4000-8000-000000000001")
-
-SPECS: dict[str, dict[str, Any]] = {
-    "demo": {"model": {"servedName": "demo"}},
-    "image-path": {
-        "model": {"uri": "/opt/models/tiny", "servedName": "tiny"},
-        "replicas": 3,
-        "rollout": {"strategy": "Recreate"},
-        "env": [{"name": "A", "value": "1"}],
-    },
-    "pvc": {
-        "model": {"uri": "pvc://weights/llama/8b", "servedName": "llama"},
-        "apiKeySecretRef": {"name": "key"},
-        "scheduling": {
-            "nodeSelector": {"gpu": "l4"},
-            "priorityClassName": "serving",
-            "tolerations": [{"key": "dedicated", "operator": "Exists"}],
-            "affinity": {
-                "nodeAffinity": {
-                    "requiredDuringSchedulingIgnoredDuringExecution": {
-                        "nodeSelectorTerms": [
-                            {
-                                "matchExpressions": [
-                                    {"key": "zone", "operator": "In", "values": ["a"]}
-                                ]
-                            }
-                        ]
-                    }
-                }
-            },
-        },
-    },
-    "hf-gpu-hpa": {
-        "model": {"uri": "hf://meta-llama/Llama-3.1-8B", "servedName": "llama"},
-        "resources": {"limits": {"nvidia.com/gpu": 2, "memory": "48Gi"}},
-        "engine": {
-            "tensorParallelSize": 2,
-            "kvCacheMemory": "8Gi",
-            "enablePrefixCaching": False,
-            "extraArgs": ["--seed", "1"],
-        },
-        "autoscaling": {
-            "minReplicas": 2,
-            "maxReplicas": 6,
-            "target": 0.75,
-            "metric": "kvCacheUsage",
-            "mode": "hpa",
-        },
-    },
-}
 
 
 def children_of(

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.emulator import crd_validation
 from pagedllm.operator.spec import InvalidSpec, parse_model_uri, parse_spec
-from tests.operator.operator_harness import SAMPLES, load_crd
+from pagedllm_testing.emulator import crd_validation
+from pagedllm_testing.operator_harness import SAMPLES, load_crd
 
 CRD = load_crd()
 (VERSION,) = CRD["spec"]["versions"]

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.operator.operator_harness import E2E, Kube, KubeError, eventually, load_crd, pagedllm
+from pagedllm_testing.operator_harness import Kube, KubeError, eventually, load_crd, pagedllm
 
 DEPLOYMENTS = "/apis/apps/v1/namespaces/default/deployments"
 
@@ -313,13 +313,13 @@ def test_runs_standalone_with_a_kubeconfig(tmp_path: Any) -> None:
         [
             sys.executable,
             "-m",
-            "e2e.emulator",
+            "pagedllm_testing.emulator",
             "--port",
             str(port),
             "--kubeconfig",
             str(kubeconfig),
         ],
-        cwd=E2E.parent,
+        cwd=tmp_path,
         stdout=subprocess.PIPE,
         text=True,
     )

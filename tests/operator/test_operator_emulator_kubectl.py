@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from tests.operator.operator_harness import (
+from pagedllm_testing.operator_harness import (
     CRD_PATH,
     REPO,
     SAMPLES,
@@ -270,7 +270,9 @@ def readme_example() -> list[str]:
     """The shell lines of the README's example without a cluster."""
     readme = (REPO / "README.md").read_text()
     block = next(
-        b for b in re.findall(r"```sh\n(.*?)```", readme, flags=re.DOTALL) if "e2e.emulator" in b
+        b
+        for b in re.findall(r"```sh\n(.*?)```", readme, flags=re.DOTALL)
+        if "pagedllm_testing.emulator" in b
     )
     return [line for line in block.splitlines() if line.strip()]
 
@@ -279,7 +281,7 @@ def test_the_readme_example_without_a_cluster(tmp_path: Path) -> None:
     """Line by line as a new user types it (the port aside), but for the operator."""
     lines = readme_example()
     start = lines[0].split()
-    assert start[:3] == ["python", "-m", "e2e.emulator"] and start[-1] == "&"
+    assert start[:3] == ["python", "-m", "pagedllm_testing.emulator"] and start[-1] == "&"
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -287,7 +289,7 @@ def test_the_readme_example_without_a_cluster(tmp_path: Path) -> None:
     arguments = [str(port) if a == "8001" else a for a in start[3:-1]]
     arguments = [str(kubeconfig) if a == "/tmp/kubeconfig" else a for a in arguments]
     server = subprocess.Popen(
-        [sys.executable, "-m", "e2e.emulator", *arguments],
+        [sys.executable, "-m", "pagedllm_testing.emulator", *arguments],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,

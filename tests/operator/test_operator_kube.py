@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from pagedllm.operator.kube import FIELD_MANAGER, ApiError, KubeClient, KubeError
-from tests.operator.operator_harness import EmulatorThread
+from pagedllm_testing.operator_harness import EmulatorThread
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SLOW_NAME = "slow"  # the gate answers requests for this object after a delay

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.operator.operator_harness import CRD_PATH, SAMPLES, Kube, Kubectl, eventually
+from pagedllm_testing.operator_harness import CRD_PATH, SAMPLES, Kube, Kubectl, eventually
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 

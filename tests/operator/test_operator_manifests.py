@@ -18,7 +18,7 @@ from pagedllm.operator.children import (
 )
 from pagedllm.operator.live import CHILD_KINDS, SERVICE_MONITOR_KIND
 from pagedllm.operator.spec import parse_spec
-from tests.operator.operator_harness import REPO
+from pagedllm_testing.operator_harness import REPO
 
 # Every call the operator and kopf make, as (apiGroup, resource, verb).
 NEEDED = {("pagedllm.io", "pagedllms", verb) for verb in ("get", "list", "watch", "patch")} | {
@@ -191,7 +191,11 @@ def test_samples_render_as_a_kustomization() -> None:
 
 def test_dockerfile_builds_from_the_repository_root() -> None:
     dockerfile = (REPO / "manifests" / "Dockerfile").read_text()
-    for path in ("node", "kernels", "operator", "pyproject.toml"):
+    for path in ("node", "kernels", "operator", "pyproject.toml", "requirements"):
         assert path in dockerfile
         assert (REPO / path).exists()
     assert "ARG TORCH_VARIANT=cpu" in dockerfile
+    # Both variants install from their lock, hashes checked.
+    for variant in ("cpu", "cuda"):
+        assert (REPO / "requirements" / f"{variant}.txt").exists()
+    assert 'pip install --require-hashes -r "requirements/${TORCH_VARIANT}.txt"' in dockerfile

@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from e2e.emulator.requests import RecordedRequest, RequestLog
-from e2e.polling import eventually as _eventually
-from tests.operator.operator_harness import (
+from pagedllm_testing.emulator.requests import RecordedRequest, RequestLog
+from pagedllm_testing.operator_harness import (
     KOPF_RUN,
     PLLM,
     EmulatorThread,
@@ -22,6 +21,7 @@ from tests.operator.operator_harness import (
     OperatorProcess,
     pagedllm,
 )
+from pagedllm_testing.polling import eventually as _eventually
 
 COUNT = 200
 RESYNCS = 3

@@ -7,52 +7,22 @@ from typing import Any
 
 import pytest
 
-from tests.operator.operator_harness import (
+from pagedllm_testing.operator_harness import (
     KOPF_RUN,
-    PLLM,
     Kube,
     OperatorProcess,
+    condition,
+    deployment_path,
     eventually,
+    mark_deployment_ready,
     pagedllm,
+    pdb_path,
+    pllm_path,
+    service_path,
+    wait_for_condition,
 )
 
 pytestmark = pytest.mark.usefixtures("crd", "operator_process")
-
-
-def pllm_path(namespace: str, name: str = "", sub: str = "") -> str:
-    path = f"{PLLM}/namespaces/{namespace}/pagedllms"
-    return path + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
-
-
-def deployment_path(namespace: str, name: str = "") -> str:
-    return f"/apis/apps/v1/namespaces/{namespace}/deployments" + (f"/{name}" if name else "")
-
-
-def service_path(namespace: str, name: str) -> str:
-    return f"/api/v1/namespaces/{namespace}/services/{name}"
-
-
-def pdb_path(namespace: str, name: str) -> str:
-    return f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/{name}"
-
-
-def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
-    for item in ((obj or {}).get("status") or {}).get("conditions") or []:
-        if item["type"] == kind:
-            return item
-    return {}
-
-
-def wait_for_condition(
-    kube: Kube, namespace: str, name: str, kind: str, what: str, **fields: str
-) -> dict[str, Any]:
-    """The resource's ``kind`` condition once it has ``fields`` (``status="True"``, say)."""
-
-    def matching() -> dict[str, Any] | None:
-        found = condition(kube.get(pllm_path(namespace, name)), kind)
-        return found if all(found.get(k) == v for k, v in fields.items()) else None
-
-    return eventually(matching, what=what)
 
 
 def events_for(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]:
@@ -61,24 +31,6 @@ def events_for(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]:
         for e in kube.list(f"/api/v1/namespaces/{namespace}/events")
         if e["involvedObject"]["name"] == name
     ]
-
-
-def mark_deployment_ready(kube: Kube, namespace: str, name: str, ready: int) -> None:
-    """What the Deployment controller reports once `ready` pods pass their readiness probe."""
-    live = kube.get(deployment_path(namespace, name))
-    replicas = live["spec"]["replicas"]
-    kube.merge(
-        deployment_path(namespace, name) + "/status",
-        {
-            "status": {
-                "observedGeneration": live["metadata"]["generation"],
-                "replicas": replicas,
-                "updatedReplicas": replicas,
-                "readyReplicas": ready,
-                "availableReplicas": ready,
-            }
-        },
-    )
 
 
 def mark_routers_ready(kube: Kube, namespace: str, name: str) -> None:

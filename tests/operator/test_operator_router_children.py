@@ -17,7 +17,7 @@ from pagedllm.operator.children import (
     selector_labels,
 )
 from pagedllm.operator.spec import InvalidSpec, RouterPolicy, RouterSpec, parse_spec
-from tests.operator.test_operator_children import OWNER, SPECS
+from pagedllm_testing.operator_harness import OWNER, SPECS
 
 
 def spec_with(router: dict[str, Any] | None = None, base: str = "demo") -> Any:

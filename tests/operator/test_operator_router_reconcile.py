@@ -7,11 +7,13 @@ from typing import Any
 
 import pytest
 
-from tests.operator.operator_harness import Kube, eventually, pagedllm
-from tests.operator.test_operator_reconcile import (
+from pagedllm_testing.operator_harness import (
+    Kube,
     condition,
     deployment_path,
+    eventually,
     mark_deployment_ready,
+    pagedllm,
     pdb_path,
     pllm_path,
     service_path,

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from e2e.endpointslice_standin import build_slices
 from pagedllm.router.discovery import (
     SERVICE_NAME_LABEL,
     DiscoveryError,
@@ -25,34 +24,15 @@ from pagedllm.router.discovery import (
     ready_urls,
     slice_urls,
 )
-from tests.operator.operator_harness import EmulatorThread, Kube, kubeconfig_text
-
-SERVICE = "demo-serving"
-
-
-def endpoint(address: str, ready: bool | None = True, terminating: bool = False) -> dict:
-    conditions: dict[str, Any] = {"terminating": terminating}
-    if ready is not None:
-        conditions["ready"] = ready
-    return {"addresses": [address], "conditions": conditions}
-
-
-def endpoint_slice(
-    name: str,
-    endpoints: list[dict],
-    port: int = 8000,
-    port_name: str = "http",
-    service: str = SERVICE,
-    address_type: str = "IPv4",
-) -> dict[str, Any]:
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {"name": name, "labels": {SERVICE_NAME_LABEL: service}},
-        "addressType": address_type,
-        "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
-        "endpoints": endpoints,
-    }
+from pagedllm_testing.endpointslice_standin import build_slices
+from pagedllm_testing.operator_harness import (
+    SERVICE,
+    EmulatorThread,
+    Kube,
+    endpoint,
+    endpoint_slice,
+    kubeconfig_text,
+)
 
 
 def test_slice_urls_takes_ready_endpoints_on_the_named_port() -> None:

@@ -15,9 +15,16 @@ import openai
 import pytest
 
 from pagedllm.config import resolve_model_dir
-from tests.operator.operator_harness import PLLM, Kube, eventually, pagedllm
-from tests.operator.test_router_discovery import SERVICE, endpoint, endpoint_slice
-from tests.serve.serve_harness import DEMO_MODEL, PAGEDLLM, Server, start_command, start_server
+from pagedllm_testing.operator_harness import (
+    PLLM,
+    SERVICE,
+    Kube,
+    endpoint,
+    endpoint_slice,
+    eventually,
+    pagedllm,
+)
+from pagedllm_testing.serve_harness import DEMO_MODEL, PAGEDLLM, Server, start_command, start_server
 
 
 @pytest.fixture(scope="module")

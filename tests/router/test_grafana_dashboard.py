@@ -18,8 +18,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.config import resolve_model_dir
-from tests.router.router_harness import ready_backends, start_router, wait_for
-from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
+from pagedllm_testing.router_harness import ready_backends, start_router, wait_for
+from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "manifests" / "grafana" / "pagedllm-dashboard.json"

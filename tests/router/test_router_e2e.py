@@ -30,15 +30,16 @@ from pagedllm.router.residency import Residency
 from pagedllm.router.routing import Router, RoutingSettings
 from pagedllm.router.server import new_client_session
 from pagedllm.router.state import RouterState
-from tests.router.router_harness import ready_backends, start_router, wait_for
-from tests.serve.serve_harness import (
+from pagedllm_testing.router_harness import ready_backends, start_router, wait_for
+from pagedllm_testing.serve_harness import (
     DEMO_MODEL,
+    TORCH_LIBRARY,
     Server,
     free_port,
+    mapped_files,
     oversized_chunks,
     start_server,
 )
-from tests.serve.test_serve_lifecycle import TORCH_LIBRARY, mapped_files
 
 KEY = "router-test-key"
 GREEDY = {"temperature": 0.0}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,7 @@ from pagedllm.cli import HF_URI
 from pagedllm.kernels import cpu_extension
 from pagedllm.models.demo import DEMO_MODEL_DIR_NAME, demo_model_dir
 from pagedllm.serve.worker_process import torch_threads
-from tests.serve.serve_harness import DEMO_MODEL, PAGEDLLM, start_server
-
-
-def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PAGEDLLM, *args], capture_output=True, text=True, timeout=timeout)
+from pagedllm_testing.serve_harness import DEMO_MODEL, run, start_server
 
 
 def test_help_lists_the_subcommands() -> None:

@@ -15,7 +15,7 @@ from pagedllm.ipc.messages import KV_MAP_INTERVAL_S, WATCH_LEASE_S
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.serve import kv_map_sender
 from pagedllm.serve.kv_map_sender import KVMapSender
-from tests.fake_worker import FakeWorker
+from pagedllm_testing.fake_worker import FakeWorker
 
 
 class Clock:

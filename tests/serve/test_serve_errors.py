@@ -14,7 +14,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.serve.serve_harness import Server, oversized_chunks, start_server
+from pagedllm_testing.serve_harness import Server, oversized_chunks, start_server
 
 API_KEY = "sk-test-key"
 MODEL = "errors-model"

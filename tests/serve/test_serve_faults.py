@@ -19,7 +19,7 @@ import zmq
 from pagedllm.core.step_plan import StepPlan
 from pagedllm.ipc import messages
 from pagedllm.sampling_params import SamplingParams
-from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
+from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
 
 
 class Stream(threading.Thread):

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
+from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
 
 MAX_PROMPTS = 3
 MAX_N = 4

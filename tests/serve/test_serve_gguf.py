@@ -11,8 +11,7 @@ import jsonschema
 import pytest
 
 from pagedllm.config import resolve_model_dir
-from tests.serve.serve_harness import Server, start_server
-from tests.serve.test_cli import run
+from pagedllm_testing.serve_harness import Server, run, start_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

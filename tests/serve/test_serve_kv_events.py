@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from pagedllm.core.block_manager import block_hash, root_hash
-from tests.serve.kv_feed_reader import FeedReader
-from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
+from pagedllm_testing.kv_feed_reader import FeedReader
+from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
 
 KEY = "kv-events-key"
 BLOCK_SIZE = 16

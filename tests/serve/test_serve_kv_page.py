@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serve.browser import chromium
-from tests.serve.kv_feed_reader import FeedReader
-from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
+from pagedllm_testing.browser import chromium
+from pagedllm_testing.kv_feed_reader import FeedReader
+from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
 
 KEY = "kv-page-key"
 # Where the test leaves its screenshot: a run's own folder, or the README's image when

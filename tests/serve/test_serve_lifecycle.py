@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -23,7 +22,13 @@ from pagedllm.core.request_delta import RequestDelta
 from pagedllm.core.step_plan import RunningUpdate, StepPlan
 from pagedllm.ipc import messages
 from pagedllm.sampling_params import SamplingParams
-from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
+from pagedllm_testing.serve_harness import (
+    DEMO_MODEL,
+    TORCH_LIBRARY,
+    Server,
+    mapped_files,
+    start_server,
+)
 
 SHUTDOWN_TIMEOUT_S = 30
 
@@ -122,16 +127,6 @@ def test_the_api_servers_yield_the_cpu_to_the_worker(server: Server) -> None:
         assert os.getpriority(os.PRIO_PROCESS, server.pid(role)) == 5
     for role in ("worker 0", "scheduler"):
         assert os.getpriority(os.PRIO_PROCESS, server.pid(role)) == 0
-
-
-TORCH_LIBRARY = re.compile(r"/(libtorch[^/]*|libc10[^/]*|torch/_C[^/]*)$")
-
-
-def mapped_files(pid: int) -> set[str]:
-    """The files process ``pid`` has mapped: its libraries and extension modules."""
-    with open(f"/proc/{pid}/maps") as maps:
-        fields = [line.split(maxsplit=5) for line in maps]
-    return {f[5].strip() for f in fields if len(f) == 6 and f[5].startswith("/")}
 
 
 def test_the_api_servers_never_load_torch(server: Server) -> None:

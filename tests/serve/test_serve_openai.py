@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
+from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
 
 GREEDY = {"temperature": 0.0}
 # Unique first words: no prompt here shares a KV block with another, so the offline engine and

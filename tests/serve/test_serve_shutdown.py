@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
+from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
 
 SHUTDOWN_TIMEOUT_S = 2
 # Far more than the node generates in SHUTDOWN_TIMEOUT_S, well within the demo model's length.

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
+from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
 
 NGRAM = json.dumps(
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}

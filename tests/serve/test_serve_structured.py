@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from pydantic import BaseModel, Field
 
-from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
-from tests.structured.strategies import json_schemas, regexes
+from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
+from pagedllm_testing.strategies import json_schemas, regexes
 
 PERSON_SCHEMA = {
     "type": "object",

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
+from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
 
 PROMPTS = ["Tensor parallel ranks", "Every rank holds half", "Gloo sums the partial"]
 

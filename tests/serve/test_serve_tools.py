@@ -12,8 +12,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.api.openai_stream import Accumulated, accumulate
-from tests.serve.serve_harness import DEMO_MODEL, Server, start_server
+from pagedllm_testing.openai_stream import Accumulated, accumulate
+from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
 
 WEATHER = {
     "type": "object",

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.serve.otlp_receiver import OtlpReceiver, Span
-from tests.serve.serve_harness import DEMO_MODEL, PAGEDLLM, Server, start_server
+from pagedllm_testing.otlp_receiver import OtlpReceiver, Span
+from pagedllm_testing.serve_harness import DEMO_MODEL, PAGEDLLM, Server, start_server
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
-from tests.structured.strategies import choices, json_schemas, regexes
+from pagedllm_testing.strategies import choices, json_schemas, regexes
 
 # The demo model's KV cache holds 4 KiB a token: 12 blocks of 16 tokens. The prompt's 4 blocks
 # (3 full ones) are shared by the n = 4 samples, whose outputs need 2 to 4 blocks each.

@@ -1,5 +1,0 @@
-import sys
-
-from e2e.emulator.running import main
-
-sys.exit(main())

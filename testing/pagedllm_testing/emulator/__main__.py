@@ -1,0 +1,5 @@
+import sys
+
+from pagedllm_testing.emulator.running import main
+
+sys.exit(main())
