@@ -22,7 +22,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.api import kv_page
-from pagedllm.api.chat_template import ChatRendering
 from pagedllm.api.engine_client import NodeState
 from pagedllm.api.errors import ApiError, error_response, invalid_request, unavailable
 from pagedllm.api.event_stream import (
@@ -267,7 +266,7 @@ def add_tokenize_routes(app: FastAPI, ctx: TokenizingContext) -> None:
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
         ctx.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            text = await ctx.render_chat(body.messages, ChatRendering(body.add_generation_prompt))
+            text = await ctx.render_request(body)
             tokens = await ctx.chat_tokens(text)
         else:
             tokens = await ctx.encode(body.prompt, add_special_tokens=body.add_special_tokens)

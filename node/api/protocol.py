@@ -204,9 +204,14 @@ class TokenizeCompletionRequest(_Body):
 
 
 class TokenizeChatRequest(_Body):
+    """A chat rendered as a chat completion would render it (vLLM's fields)."""
+
     model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
 
 
 class DetokenizeRequest(_Body):

@@ -19,12 +19,18 @@ import anyio.to_thread
 from pagedllm.api.chat_settings import ChatSettings
 from pagedllm.api.chat_template import (
     ChatRendering,
+    accepted_template_kwargs,
     chat_rendering,
     chat_template,
     template_message,
 )
 from pagedllm.api.errors import ApiError
-from pagedllm.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pagedllm.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    TokenizeChatRequest,
+)
 
 # Threads that tokenize and render chat templates, off the event loop (the tokenizers library
 # releases the GIL while it encodes). Large texts get half the CPUs, so that tokenizing them
@@ -99,7 +105,7 @@ class TokenizingContext:
         )
         return await self.in_thread(len(text), encode, text)
 
-    async def render_request(self, body: ChatCompletionRequest) -> str:
+    async def render_request(self, body: ChatCompletionRequest | TokenizeChatRequest) -> str:
         """A chat request's messages as the model's prompt text, rendered as the request asks
         (tools, generation prompt, continued final message, template variables)."""
         try:
@@ -125,7 +131,7 @@ class TokenizingContext:
             tokenize=False,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
-            **options.template_kwargs,
+            **accepted_template_kwargs(options.template_kwargs, self.tokenizer, template),
         )
         try:
             size = sum(len(str(m.get("content") or "")) for m in conversation)

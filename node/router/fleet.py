@@ -67,6 +67,9 @@ class Fleet:
         self._subscribe = subscribe
         self.backends: dict[str, Backend] = {}
         self._ready_changed = asyncio.Condition()
+        # Called with a backend's URL and True when it joins, False when it leaves (the
+        # metrics create and drop its series).
+        self.membership_listeners: list[Callable[[str, bool], None]] = []
 
     def set_backends(self, urls: Iterable[str]) -> None:
         wanted = list(dict.fromkeys(u.rstrip("/") for u in urls))
@@ -74,6 +77,8 @@ class Fleet:
             backend = self.backends.pop(url)
             if backend.task is not None:
                 backend.task.cancel()
+            for listener in self.membership_listeners:
+                listener(url, False)
             log.info("backend %s removed", url)
         for url in wanted:
             if url not in self.backends:
@@ -81,6 +86,8 @@ class Fleet:
                 backend.task = asyncio.get_running_loop().create_task(
                     self._subscribe(backend, self), name=f"feed {url}"
                 )
+                for listener in self.membership_listeners:
+                    listener(url, True)
                 log.info("backend %s added", url)
 
     def ready(self) -> list[Backend]:

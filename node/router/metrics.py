@@ -9,9 +9,14 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedllm.router.fleet import Fleet
+from pagedllm.router.policy import Reason
 
 TOKEN_BUCKETS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, float("inf"))
 SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, float("inf"))
+# The fixed label values, each series created at zero (per backend when the backend is found), so
+# that a reason never seen yet is a 0 rather than a missing series.
+UPSTREAM_ERROR_KINDS = ("connect", "unavailable", "broken")
+REJECTION_REASONS = ("no_backend", "hold_full", "hold_timeout")
 
 
 class _FleetCollector(Collector):
@@ -95,6 +100,21 @@ class RouterMetrics:
             "pagedllm:router_held_requests", "requests waiting for a ready backend", registry=r
         )
         r.register(_FleetCollector(fleet))
+        for reason in Reason:
+            self.routed.labels(reason.value)
+        for reason in REJECTION_REASONS:
+            self.rejected.labels(reason)
+        for url in fleet.backends:
+            self.backend_changed(url, True)
+        fleet.membership_listeners.append(self.backend_changed)
+
+    def backend_changed(self, url: str, joined: bool) -> None:
+        """A backend's error series exist, at zero, exactly while it is in the fleet."""
+        for kind in UPSTREAM_ERROR_KINDS:
+            if joined:
+                self.upstream_errors.labels(url, kind)
+            else:
+                self.upstream_errors.remove(url, kind)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,8 @@ from prometheus_client import (
     values,
 )
 
+from pagedllm.core.sequence import FinishReason
+
 if TYPE_CHECKING:
     # Type-only: the API servers import this module and need no part of the scheduler.
     from pagedllm.core.reporting import SchedulerStats
@@ -119,6 +121,14 @@ STEP_BUCKETS = (
 )
 
 
+# The fixed values of the labelled counters, each series created at zero when its process starts:
+# a reason never seen yet is a 0, not a missing series (Prometheus' guidance for known labels).
+# A request's finish as the engine reports it.
+FINISH_REASONS = tuple(reason.value for reason in FinishReason)
+# Why the API server refused a request before generation.
+REJECTION_REASONS = ("queue_full", "invalid")
+
+
 def use_multiprocess_dir(directory: str) -> None:
     """Make this process and the children it starts from now on share ``directory``."""
     os.makedirs(directory, exist_ok=True)
@@ -152,7 +162,7 @@ def _histogram(name: str, doc: str, model: str, buckets: tuple[float, ...]) -> H
 class SchedulerMetrics:
     """The scheduler's view: queue depth, KV-cache use, prefix cache, token totals."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, num_speculative_tokens: int = 0) -> None:
         self.running = _gauge(
             "vllm:num_requests_running", "Requests being generated (in the running batch).", model
         )
@@ -205,6 +215,8 @@ class SchedulerMetrics:
             [LABEL, "position"],
             registry=None,
         )
+        for position in range(num_speculative_tokens):
+            self._spec_per_pos.labels(model, str(position))
         self._model = model
         # The totals last reported, so that the counters grow by the difference.
         self._totals: dict[Counter, int] = {}
@@ -268,6 +280,10 @@ class RequestRecorder:
             [LABEL, "reason"],
             registry=None,
         )
+        for reason in FINISH_REASONS:
+            self.success.labels(model, reason)
+        for reason in REJECTION_REASONS:
+            self.rejected.labels(model, reason)
         self.ttft = _histogram(
             "vllm:time_to_first_token_seconds",
             "Time from arrival to the first generated token.",

@@ -30,6 +30,7 @@ from pagedllm.core.output_buffer import OutputBuffer
 from pagedllm.core.request_delta import RequestDelta
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import GrammarRef
+from pagedllm.core.speculative import parse_speculative_config
 from pagedllm.core.step_deadline import StepDeadline
 from pagedllm.core.step_pipeline import StepPipeline
 from pagedllm.core.step_plan import StepPlan, StepResult
@@ -121,7 +122,10 @@ class SchedulerLoop:
         self._last_result_at = 0.0
         # Async scheduling needs every rank to know the samples; only rank 0 samples.
         self.async_scheduling = spec.async_scheduling and spec.config.tensor_parallel_size == 1
-        self.metrics = SchedulerMetrics(spec.model_name)
+        speculative = parse_speculative_config(spec.config.speculative_config)
+        self.metrics = SchedulerMetrics(
+            spec.model_name, speculative.num_speculative_tokens if speculative else 0
+        )
         ready = self._wait_for_workers()
         self.scheduler = Scheduler(
             scheduler_config(spec.config, ready.num_blocks, ready.max_model_len)

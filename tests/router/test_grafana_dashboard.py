@@ -1,12 +1,15 @@
 """The Grafana dashboard of ``manifests/grafana``: every query parses as PromQL and names only
-metrics that a running node or router exports (read from their real ``/metrics``), and the
-kustomize base ships it as a ConfigMap Grafana's sidecar picks up."""
+metrics that a running node or router exports (read from their real ``/metrics``), each with a
+sample from the start, and the kustomize base ships it as a ConfigMap Grafana's sidecar picks
+up. A fresh node's and router's labelled counters have a zero sample for every fixed label
+value, so that a panel shows 0 and an alert on a rate tells "none" from "not scraped"."""
 
 from __future__ import annotations
 
 import json
 import re
 import subprocess
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.config import resolve_model_dir
+from pagedllm.router.metrics import REJECTION_REASONS as ROUTER_REJECTIONS
+from pagedllm.router.metrics import UPSTREAM_ERROR_KINDS
+from pagedllm.router.policy import Reason
+from pagedllm.serve.metrics import FINISH_REASONS
+from pagedllm.serve.metrics import REJECTION_REASONS as NODE_REJECTIONS
 from pagedllm_testing.router_harness import ready_backends, start_router, wait_for
 from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
 
@@ -129,9 +137,16 @@ def test_the_kustomize_base_ships_the_dashboard_for_grafanas_sidecar() -> None:
     assert json.loads(config_map["data"]["pagedllm-dashboard.json"]) == dashboard()
 
 
+# Speculating, so that the per-position acceptance counter has its positions too.
+NUM_SPECULATIVE_TOKENS = 3
+SPECULATIVE = json.dumps({"method": "ngram", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS})
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(tmp_path_factory.mktemp("dashboard-node"))
+    server = start_server(
+        tmp_path_factory.mktemp("dashboard-node"), "--speculative-config", SPECULATIVE
+    )
     yield server
     server.stop()
 
@@ -143,6 +158,64 @@ def router(tmp_path_factory: pytest.TempPathFactory, node: Server) -> Iterator[S
     )
     yield server
     server.stop()
+
+
+def samples(url: str) -> dict[str, dict[frozenset[tuple[str, str]], float]]:
+    """Every sample of ``url``'s /metrics: name -> labels -> value."""
+    found: dict[str, dict[frozenset[tuple[str, str]], float]] = defaultdict(dict)
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[sample.name][frozenset(sample.labels.items())] = sample.value
+    return found
+
+
+def zero_for_each(
+    found: dict[str, dict[frozenset[tuple[str, str]], float]],
+    name: str,
+    label: str,
+    values: list[str],
+    **fixed: str,
+) -> None:
+    for value in values:
+        labels = frozenset({**fixed, label: value}.items())
+        assert found[name].get(labels) == 0, f"{name}{{{label}={value!r}}}: {found[name]}"
+
+
+# Runs first in the module: the node and router have served nothing yet.
+def test_a_fresh_node_and_router_export_every_fixed_label_value_at_zero(
+    node: Server, router: Server
+) -> None:
+    wait_for(lambda: ready_backends(router) == 1, router, "the node's feed")
+    model = {"model_name": DEMO_MODEL}
+    found = samples(node.url)
+    zero_for_each(found, "vllm:request_success_total", "finished_reason", FINISH_REASONS, **model)
+    zero_for_each(found, "pagedllm:requests_rejected_total", "reason", NODE_REJECTIONS, **model)
+    positions = [str(p) for p in range(NUM_SPECULATIVE_TOKENS)]
+    zero_for_each(
+        found, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position", positions, **model
+    )
+    assert set(FINISH_REASONS) == {"stop", "length", "abort", "error"}
+    found = samples(router.url)
+    reasons = [r.value for r in Reason]
+    zero_for_each(found, "pagedllm:router_requests_routed_total", "reason", reasons)
+    zero_for_each(found, "pagedllm:router_requests_rejected_total", "reason", ROUTER_REJECTIONS)
+    zero_for_each(
+        found,
+        "pagedllm:router_upstream_errors_total",
+        "kind",
+        UPSTREAM_ERROR_KINDS,
+        backend=node.url,
+    )
+
+
+def test_every_metric_the_dashboard_reads_has_a_sample_from_the_start(
+    node: Server, router: Server
+) -> None:
+    wait_for(lambda: ready_backends(router) == 1, router, "the node's feed")
+    names = set(samples(node.url)) | set(samples(router.url))
+    missing = sorted(used_names() - names)
+    assert not missing, f"panels that would show no data on a fresh fleet: {missing}"
 
 
 def test_every_metric_the_dashboard_reads_is_exported(node: Server, router: Server) -> None:

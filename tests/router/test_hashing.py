@@ -196,7 +196,7 @@ def test_the_chat_template_flag_and_kwargs_render_as_the_node(
         text = asyncio.run(node.render_request(body))
         assert text == "[user" + (" terse" if kwargs else "") + "] Hello there\n[assistant] "
         assert ours == tokenizing.tokenizer.encode(text, add_special_tokens=False)
-    bad = ChatCompletionRequest(messages=messages, chat_template_kwargs={"tools": []})
+    bad = ChatCompletionRequest(messages=messages, chat_template_kwargs={"tokenize": True})
     with pytest.raises(ApiError) as refused:
         asyncio.run(routing_tokens(router, bad))
     assert refused.value.status == 400 and refused.value.param == "chat_template_kwargs"
