@@ -4,8 +4,10 @@ run on a fixed schedule of chunked prefills and decodes, and their comparison.""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import (
     LlamaConfig,
     MistralConfig,
@@ -14,7 +16,9 @@ from transformers import (
     Qwen3Config,
 )
 
+from pagedllm.kernels import reference
 from pagedllm.models.llama import CausalLM
+from pagedllm.models.loader import load_model
 from pagedllm.worker.attention_metadata import AttentionMetadata
 
 VOCAB = 128
@@ -169,3 +173,16 @@ def assert_logits_match(ours: list[torch.Tensor], theirs: list[torch.Tensor]) ->
         assert ours_seq.dtype == torch.float32
         assert ours_seq.shape == theirs_seq.shape
         assert (ours_seq - theirs_seq).abs().max().item() < TOLERANCE
+
+
+def tensor_parallel_worker(rank: int, world_size: int, port: int, model_dir: Path) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        torch.set_num_threads(1)
+        model, _ = load_model(model_dir, ops=reference, tp_rank=rank, tp_size=world_size)
+        logits = paged_logits(model, token_sequences(), block_size=4)
+        torch.save(logits, model_dir / f"logits-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

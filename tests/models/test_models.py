@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from pagedllm.kernels import reference
 from pagedllm.models import ModelLoadError, cpu_linear
 from pagedllm.models.config import read_model_config
 from pagedllm.models.layers import LinearRopeScaling, Llama3RopeScaling, PackableLinear
@@ -30,8 +27,10 @@ from pagedllm_testing.paged_logits import (
     assert_logits_match,
     hf_logits,
     paged_logits,
+    tensor_parallel_worker,
     token_sequences,
 )
+from pagedllm_testing.serve_harness import free_port
 from pagedllm_testing.tiny_models import save_hf_model
 
 
@@ -187,25 +186,6 @@ def test_missing_shard_is_named(tmp_path):
     shard.unlink()
     with pytest.raises(ModelLoadError, match=f"weight file .*{shard.name} .* is missing"):
         load_model(tmp_path)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def tensor_parallel_worker(rank: int, world_size: int, port: int, model_dir: Path) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
-    try:
-        torch.set_num_threads(1)
-        model, _ = load_model(model_dir, ops=reference, tp_rank=rank, tp_size=world_size)
-        logits = paged_logits(model, token_sequences(), block_size=4)
-        torch.save(logits, model_dir / f"logits-rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tensor_parallel_ranks_match_a_single_process(tmp_path):
