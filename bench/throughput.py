@@ -301,6 +301,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--no-roofline", action="store_true")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of every engine, alternating their order"
+    )
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
     parser.add_argument("--name", default="throughput")
     args = parser.parse_args()
@@ -332,16 +335,26 @@ def main() -> None:
         f"batch {args.hf_batch_size or hf_static_batch(workload, args.kv_tokens)}"
     )
 
+    # Each repeat runs every engine, in the reverse order of the repeat before (this machine's
+    # speed drifts within minutes); an engine's figure is its median run.
+    runs: dict[str, list[dict]] = {engine: [] for engine in engines}
+    for repeat in range(args.repeats):
+        for engine in engines if repeat % 2 == 0 else engines[::-1]:
+            print(f"running {engine} (run {repeat + 1} of {args.repeats}) ...", flush=True)
+            result = RUNNERS[engine](model_dir, workload, args)
+            result["tokens_per_s"] = result["output_tokens"] / result["elapsed_s"]
+            runs[engine].append(result)
+            print(
+                f"  {result['tokens_per_s']:,.1f} tokens/s in {result['elapsed_s']:.1f} s",
+                flush=True,
+            )
+            gc.collect()
     results: dict[str, dict] = {}
-    for engine in engines:
-        print(f"running {engine} ...", flush=True)
-        result = RUNNERS[engine](model_dir, workload, args)
-        result["tokens_per_s"] = result["output_tokens"] / result["elapsed_s"]
-        results[engine] = result
-        print(
-            f"  {result['tokens_per_s']:,.1f} tokens/s in {result['elapsed_s']:.1f} s", flush=True
-        )
-        gc.collect()
+    for engine, done in runs.items():
+        ranked = sorted(done, key=lambda r: r["tokens_per_s"])
+        results[engine] = ranked[len(ranked) // 2] | {
+            "runs_tokens_per_s": [r["tokens_per_s"] for r in done]
+        }
 
     ours = results.get("pagedllm")
     if ours is not None and not args.no_roofline:
@@ -359,10 +372,11 @@ def main() -> None:
                 r["elapsed_s"],
                 r["tokens_per_s"],
                 None if engine == "pagedllm" else ratio,
+                " ".join(f"{x:.0f}" for x in r["runs_tokens_per_s"]),
             ]
         )
     common.print_table(
-        ["engine", "output tokens", "seconds", "tokens/s", "PagedLLM ×"],
+        ["engine", "output tokens", "seconds", "tokens/s (median)", "PagedLLM ×", "runs"],
         rows,
         title="Offline throughput",
     )
