@@ -521,16 +521,12 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown servers {unknown}; known: {list(SERVERS)}")
     needs_peers = "transformers" in names or args.load_generator == "guidellm"
-    needs_vllm = "vllm" in names
-    if (
-        needs_vllm
-        and not (args.vllm_venv / "bin" / "python").exists()
-        or (needs_peers and not (args.peers_venv / "bin" / "python").exists())
-    ):
-        parser.error(
-            f"no peers' virtual environment at {args.peers_venv}: run "
-            "`python bench/serving.py --setup-peers` once"
-        )
+    for needed, venv in ((needs_peers, args.peers_venv), ("vllm" in names, args.vllm_venv)):
+        if needed and not (venv / "bin" / "python").exists():
+            parser.error(
+                f"no peers' virtual environment at {venv}: run "
+                "`python bench/serving.py --setup-peers` once"
+            )
     common.warn_if_busy()
     model = str(common.resolve_model(args.model))
     workdir = common.RESULTS / "tmp" / args.name

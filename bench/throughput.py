@@ -47,10 +47,15 @@ TARGET_VS_GENERATE_BATCH = 3.0
 TARGET_VS_VLLM = 1.2
 
 
+def longest_sequence(workload: common.Workload) -> int:
+    """The engines' max_model_len: the longest prompt plus the longest output."""
+    return max(len(p) for p in workload.prompts) + max(workload.output_lens)
+
+
 def run_pagedllm(model_dir: Path, workload: common.Workload, args: argparse.Namespace) -> dict:
     from pagedllm import LLM, SamplingParams
 
-    max_len = max(len(p) for p in workload.prompts) + max(workload.output_lens)
+    max_len = longest_sequence(workload)
     llm = LLM(
         model=str(model_dir),
         dtype=args.dtype,
@@ -212,7 +217,7 @@ def run_vllm(model_dir: Path, workload: common.Workload, args: argparse.Namespac
     spec = {
         "model": str(common.hf_model_dir(model_dir)),
         "dtype": args.dtype,
-        "max_model_len": max(len(p) for p in workload.prompts) + max(workload.output_lens),
+        "max_model_len": longest_sequence(workload),
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "prompts": workload.prompts,
@@ -232,9 +237,7 @@ def run_vllm(model_dir: Path, workload: common.Workload, args: argparse.Namespac
             check=True,
         )
         result: dict = json.loads(result_path.read_text())
-    result["config"] = {
-        "kv_cache_gib": int(vllm_env(args.threads, kv_bytes)["VLLM_CPU_KVCACHE_SPACE"])
-    }
+    result["config"] = {"kv_cache_gib": int(env["VLLM_CPU_KVCACHE_SPACE"])}
     return result
 
 

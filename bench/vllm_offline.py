@@ -16,7 +16,8 @@ import time
 def main() -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    workload = json.loads(open(sys.argv[1]).read())
+    with open(sys.argv[1]) as spec:
+        workload = json.load(spec)
     started = time.perf_counter()
     llm = LLM(
         model=workload["model"],

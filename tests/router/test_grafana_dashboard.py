@@ -18,6 +18,7 @@ import httpx
 import promql_parser
 import pytest
 import yaml
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.config import resolve_model_dir
@@ -82,12 +83,15 @@ def used_names() -> set[str]:
     return names
 
 
+def families(url: str) -> list[Metric]:
+    return list(text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text))
+
+
 def exported(url: str) -> set[str]:
     """Every series name ``url``'s /metrics exports, and the ones its declared families
     would (a labelled counter or histogram nothing has counted yet shows only its family)."""
     names: set[str] = set()
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
+    for family in families(url):
         names |= {s.name for s in family.samples}
         suffixes = {
             "counter": ("_total",),
@@ -163,8 +167,7 @@ def router(tmp_path_factory: pytest.TempPathFactory, node: Server) -> Iterator[S
 def samples(url: str) -> dict[str, dict[frozenset[tuple[str, str]], float]]:
     """Every sample of ``url``'s /metrics: name -> labels -> value."""
     found: dict[str, dict[frozenset[tuple[str, str]], float]] = defaultdict(dict)
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
+    for family in families(url):
         for sample in family.samples:
             found[sample.name][frozenset(sample.labels.items())] = sample.value
     return found
