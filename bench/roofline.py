@@ -136,7 +136,6 @@ def roofline_table(timer: MatmulTimer, batches: list[int]) -> list[dict[str, Any
 def engine_weights(model: torch.nn.Module) -> dict[str, list[MatmulFn]]:
     """The loaded model's own weight matmuls (packed or not, as it runs them), by name."""
     layers = model.model.layers
-    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
 
     def own(module: torch.nn.Module) -> MatmulFn:
         return lambda x: module.matmul(x, None)
@@ -146,7 +145,7 @@ def engine_weights(model: torch.nn.Module) -> dict[str, list[MatmulFn]]:
         "o_proj": [own(layer.self_attn.o_proj) for layer in layers],
         "gate_up_proj": [own(layer.mlp.gate_up_proj) for layer in layers],
         "down_proj": [own(layer.mlp.down_proj) for layer in layers],
-        "lm_head": [lambda x: F.linear(x, head.weight)],
+        "lm_head": [own(model.lm_head)],
     }
 
 

@@ -1,7 +1,9 @@
 """Paged-attention kernels: Triton on CUDA, a C++ decode kernel and torch on the CPU.
 
 ``kernel_ops(backend)`` returns the module implementing ``paged_attention``, ``write_kv`` and
-``copy_blocks`` with the contract documented in :mod:`pagedllm.kernels.reference`.
+``copy_blocks`` with the contract documented in :mod:`pagedllm.kernels.reference`, and the
+layers' elementwise work (``rms_norm``, ``add_rms_norm``, ``rotary_embedding``,
+``silu_and_mul``) with that of :mod:`pagedllm.kernels.layer_ops`.
 ``backend`` is ``"auto"`` (Triton on CUDA, the CPU backend elsewhere), ``"cpu"`` (a C++
 decode kernel, see ``cpu_ops``), ``"torch"`` (the pure-torch reference) or ``"triton"`` (on
 the CPU the Triton interpreter is used, see ``triton_device``).
@@ -17,6 +19,16 @@ if TYPE_CHECKING:
     import torch
 
 BACKENDS = ("auto", "cpu", "torch", "triton")
+# What every backend module provides.
+OPS = (
+    "paged_attention",
+    "write_kv",
+    "copy_blocks",
+    "rms_norm",
+    "add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+)
 MODULES = {"cpu": "cpu_ops", "torch": "reference", "triton": "triton_ops"}
 
 

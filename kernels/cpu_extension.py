@@ -1,9 +1,10 @@
-"""Building and loading the C++ CPU kernels (``csrc/paged_attention_cpu.cpp``).
+"""Building and loading the C++ CPU kernels (``csrc/``: the paged decode attention and the
+layers' elementwise work, one library).
 
-The source is compiled once per machine kind with the system C++ compiler, through torch's
+The sources are compiled once per machine kind with the system C++ compiler, through torch's
 extension builder, into ``$PAGEDLLM_KERNEL_DIR`` (by default ``kernels/`` under the cache
 directory, ``$PAGEDLLM_CACHE_DIR`` or ``~/.cache/pagedllm``). The build directory is named
-after a hash of the source, the compiler flags and the torch version, and a finished build is
+after a hash of the sources, the compiler flags and the torch version, and a finished build is
 loaded straight from it, so a read-only directory prepared ahead (a container image) works.
 Without a compiler the kernels are simply unavailable and the callers fall back to torch.
 """
@@ -25,9 +26,19 @@ from pagedllm.cache import cache_root
 log = logging.getLogger(__name__)
 
 NAME = "pagedllm_cpu"
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp")
+HEADERS = ("vec.h",)
 KERNEL_DIR_ENV = "PAGEDLLM_KERNEL_DIR"
 DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"  # "0" turns them off
+OPS = (
+    "paged_decode_attention",
+    "rms_norm",
+    "add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "write_kv",
+)
 
 
 def cpu_flags() -> set[str]:
@@ -54,7 +65,7 @@ def build_dir() -> Path:
     root = os.environ.get(KERNEL_DIR_ENV) or cache_root() / "kernels"
     digest = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *((CSRC / name).read_bytes() for name in (*SOURCES, *HEADERS)),
         " ".join(compiler_flags()).encode(),
         torch.__version__.encode(),
         sys.version.encode(),
@@ -70,7 +81,7 @@ def _build(target: Path) -> None:
     log.info("compiling the CPU attention kernels into %s (once per machine kind)", target)
     cpp_extension.load(
         name=NAME,
-        sources=[str(SOURCE)],
+        sources=[str(CSRC / name) for name in SOURCES],
         extra_cflags=compiler_flags(),
         build_directory=str(target),
         is_python_module=False,
@@ -90,7 +101,7 @@ def load() -> bool:
             torch.ops.load_library(str(library))
         else:
             _build(target)
-        return hasattr(torch.ops.pagedllm_cpu, "paged_decode_attention")
+        return all(hasattr(torch.ops.pagedllm_cpu, op) for op in OPS)
     except Exception as exc:  # no compiler, no ninja, a read-only cache...
         log.warning("CPU attention kernels unavailable (%s); using torch's", exc)
         return False

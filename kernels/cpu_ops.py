@@ -7,6 +7,10 @@ block table; where it cannot be built they gather their blocks and use torch's
 of a few drafts) go through the same kernel, one row per query whose keys end at its own
 position. Longer prefill chunks gather their sequence's blocks and use
 ``scaled_dot_product_attention`` with the causal mask of their positions.
+
+The layers' elementwise work (RMSNorm with and without the residual add, the rotary embedding,
+SiLU·mul) and the KV write run as single C++ passes where the kernels are built, with the
+contract of :mod:`pagedllm.kernels.layer_ops`; without them, that module's torch code.
 """
 
 from __future__ import annotations
@@ -14,10 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import cpu_extension
-from pagedllm.kernels.reference import copy_blocks
-
-__all__ = ["copy_blocks", "paged_attention", "write_kv"]
+from pagedllm.kernels import cpu_extension, layer_ops
+from pagedllm.kernels.reference import copy_blocks as copy_blocks
 
 # Steps of at most this many tokens of a sequence run as decode rows: a row per query reads
 # the sequence's keys in place, which for a few queries beats gathering a copy per sequence
@@ -33,12 +35,59 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter ``key``/``value`` into the cache; a slot of -1 is not written."""
+    if (
+        cpu_extension.load()
+        and key.dtype == k_cache.dtype
+        and value.dtype == v_cache.dtype
+        and slot_mapping.dtype == torch.long
+    ):
+        torch.ops.pagedllm_cpu.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
     slots = slot_mapping.long()
     if bool((slots < 0).any()):
         keep = slots >= 0
         key, value, slots = key[keep], value[keep], slots[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def _fused(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """Whether the C++ pass takes ``x`` (and ``weight``): built, and one dtype."""
+    return cpu_extension.load() and (weight is None or weight.dtype == x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _fused(x, weight):
+        return layer_ops.rms_norm(x, weight, eps)
+    rows = x.reshape(-1, x.shape[-1])  # q/k norms: heads as rows (a copy of a strided view)
+    return torch.ops.pagedllm_cpu.rms_norm(rows, weight, eps).view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`pagedllm.kernels.layer_ops.add_rms_norm`, in place: ``x`` becomes the norm
+    and ``residual`` the sum."""
+    if not (_fused(x, weight) and x.dim() == 2 and x.stride(-1) == 1 and residual.is_contiguous()):
+        return layer_ops.add_rms_norm(x, residual, weight, eps)
+    torch.ops.pagedllm_cpu.add_rms_norm(x, residual, weight, eps)
+    return x, residual
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`pagedllm.kernels.layer_ops.rotary_embedding`, in place."""
+    if not (_fused(q, cos) and q.stride(-1) == 1 and k.stride(-1) == 1):
+        return layer_ops.rotary_embedding(q, k, cos, sin)
+    torch.ops.pagedllm_cpu.rotary_embedding(q, k, cos, sin)
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if not (_fused(x) and x.dim() == 2 and x.stride(-1) == 1):
+        return layer_ops.silu_and_mul(x)
+    return torch.ops.pagedllm_cpu.silu_and_mul(x)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -15,6 +15,12 @@ from __future__ import annotations
 
 import torch
 
+# Re-exported: this backend's layer ops are the torch ones.
+from pagedllm.kernels.layer_ops import add_rms_norm as add_rms_norm
+from pagedllm.kernels.layer_ops import rms_norm as rms_norm
+from pagedllm.kernels.layer_ops import rotary_embedding as rotary_embedding
+from pagedllm.kernels.layer_ops import silu_and_mul as silu_and_mul
+
 
 def write_kv(
     key: torch.Tensor,

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.kernels.cache_ops import copy_blocks, write_kv
+from pagedllm.kernels.cache_ops import copy_blocks as copy_blocks
+from pagedllm.kernels.cache_ops import write_kv as write_kv
+
+# Re-exported: this backend's layer ops are the torch ones.
+from pagedllm.kernels.layer_ops import add_rms_norm as add_rms_norm
+from pagedllm.kernels.layer_ops import rms_norm as rms_norm
+from pagedllm.kernels.layer_ops import rotary_embedding as rotary_embedding
+from pagedllm.kernels.layer_ops import silu_and_mul as silu_and_mul
 from pagedllm.kernels.triton_device import multiprocessor_count
 from pagedllm.kernels.unified_attention import choose_num_kv_splits, unified_attention
-
-__all__ = ["copy_blocks", "paged_attention", "write_kv"]
 
 
 def paged_attention(

@@ -10,7 +10,7 @@
 // of up to four query heads of the KV head's group shares each K and V row it loads, with the
 // query and output rows in registers, and the softmax uses a vectorized polynomial exp. Other
 // head sizes take plain loops.
-#include <ATen/ATen.h>
+#include "vec.h"
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -27,42 +27,7 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kWidth = 16;
-#else
-constexpr int kWidth = 8;
-#endif
-typedef float vfloat __attribute__((vector_size(kWidth * 4)));
-typedef uint32_t vuint __attribute__((vector_size(kWidth * 4)));
-typedef int32_t vint __attribute__((vector_size(kWidth * 4)));
-typedef uint16_t vhalf __attribute__((vector_size(kWidth * 2)));
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline vfloat load(const c10::BFloat16* p) {
-  vhalf bits;
-  std::memcpy(&bits, p, sizeof bits);
-  vuint wide = __builtin_convertvector(bits, vuint) << 16;
-  vfloat v;
-  std::memcpy(&v, &wide, sizeof v);
-  return v;
-}
-
-inline vfloat load(const c10::Half* p) {
-  float tmp[kWidth];
-  for (int i = 0; i < kWidth; ++i) tmp[i] = float(p[i]);
-  return load(tmp);
-}
-
-inline float sum(vfloat v) {
-  float s = 0.f;
-  for (int i = 0; i < kWidth; ++i) s += v[i];
-  return s;
-}
+using namespace pagedllm_vec;
 
 // The sums of G <= 4 vectors, into sums[g * stride].
 template <int G>
@@ -82,28 +47,6 @@ inline void store_sums(const vfloat* acc, float* sums, int64_t stride) {
 
 // ``n`` rounded up to whole vectors: rows of scores are this long.
 inline int64_t padded(int64_t n) { return (n + kWidth - 1) / kWidth * kWidth; }
-
-inline vfloat splat(float x) { return vfloat{} + x; }
-
-// exp for the softmax (arguments <= 0 there), kWidth at a time: Cephes' expf polynomial.
-inline vfloat exp_approx(vfloat x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  x = x > splat(88.0f) ? splat(88.0f) : x;
-  const vfloat magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vfloat n = (x * 1.44269504088896341f + magic) - magic;
-  const vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vfloat p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // Softmax of each of ``heads`` rows of ``n`` scores, in place. Rows are ``stride`` apart and
 // have room up to padded(n).

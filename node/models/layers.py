@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -18,15 +19,22 @@ from pagedllm.models import cpu_linear
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """RMSNorm through the kernel backend's ops; given the residual stream, it adds ``x`` to it
+    first and returns ``(normed, residual)`` (one pass where the backend fuses them)."""
+
+    def __init__(self, size: int, eps: float, ops: ModuleType) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -106,13 +114,6 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (``[num_tokens, num_heads, head_dim]``) by the per-token angles."""
-    half = x.shape[-1] // 2
-    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated_half * sin[:, None, :]
-
-
 class PackableLinear(nn.Linear):
     """A linear layer whose weight can be packed for oneDNN once loaded (``cpu_linear``)."""
 
@@ -160,8 +161,11 @@ class RowParallelLinear(PackableLinear):
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp_size: int) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, tp_size: int, ops: ModuleType
+    ) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_up_proj = ColumnParallelLinear(
             hidden_size, 2 * intermediate_size, bias=bias, tp_size=tp_size
         )
@@ -170,5 +174,4 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

@@ -68,6 +68,7 @@ def load_model(
     with torch.device("meta"), _default_dtype(torch_dtype):
         model = model_class(config, ops, tp_rank, tp_size)
     model.to_empty(device=device)
+    model.tie_weights()
     with _open_checkpoint(config) as checkpoint, torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(_read_param(checkpoint, config, name, param, tp_rank, tp_size))
