@@ -201,8 +201,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
 
-  // A work item is one KV head of one sequence with its group of query heads.
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A work item is one KV head of one sequence with its group of query heads. A task takes
+  // at least kTaskKeys keys' worth of items: a parallel region costs more than a few short
+  // items (a thread that another process holds its core from stalls it for a time slice).
+  constexpr int64_t kTaskKeys = 2048;
+  int64_t total_keys = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) total_keys += lens[s];
+  const int64_t items = num_seqs * num_kv_heads;
+  const int64_t keys_per_item = std::max<int64_t>(1, total_keys / std::max<int64_t>(1, num_seqs));
+  const int64_t grain = std::max<int64_t>(1, kTaskKeys / keys_per_item);
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * head_dim), acc(group * head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;

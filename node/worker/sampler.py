@@ -151,7 +151,9 @@ def sample(
     holds the tokens the constrained rows' grammars allow. Log probabilities are those of the
     model, before penalties and grammars."""
     logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    # log p(t) = logit(t) - logsumexp(row): the full log-softmax is computed only for the rows
+    # that ask for top logprobs (at decode batches it cost as much as the argmax and sampling).
+    log_normalizers = torch.logsumexp(logits, dim=-1).tolist()
     processed = processed_logits(logits, rows, mask)
     greedy_tokens = torch.argmax(processed, dim=-1).tolist()
     results: list[Sampled] = []
@@ -176,10 +178,11 @@ def sample(
                     else _generator(seed, len(row.output_ids), processed.device)
                 )
                 tokens.append(_draw(probs, gen))
-        token_logprobs = [float(raw_logprobs[i, t]) for t in tokens]
+        chosen = logits[i, tokens].tolist()
+        token_logprobs = [logit - log_normalizers[i] for logit in chosen]
         top_lists = None
         if spec.logprobs:
-            top = torch.topk(raw_logprobs[i], spec.logprobs)
+            top = torch.topk(torch.log_softmax(logits[i], dim=-1), spec.logprobs)
             pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
             top_lists = [pairs] * len(tokens)
         results.append(Sampled(tokens, token_logprobs, top_lists))
