@@ -3,8 +3,10 @@
 
 Each server is started on loopback with the same model and thread count, warmed up, driven by
 a load generator at each concurrency (closed loop: every client sends its next request when
-the last one ends) for a fixed time (``--duration``, longer in proportion above 20 clients),
-then stopped; the servers run one after the other. Only requests that finish in that time
+the last one ends) for a fixed time (``--duration``, longer in proportion above 20 clients).
+The servers are measured one at a time, the others paused; ``--repeats N`` measures each N
+times, alternating their order, and reports the median of each figure with every run. Only
+requests that finish in that time
 count in the latencies; output tokens/s counts every token received. The
 load generator is guidellm (third party, in the peers' virtual environment) by default, or
 this file's own asyncio client on the openai SDK (``--load-generator own``). Requests are
@@ -20,7 +22,7 @@ which pins another transformers) has ``--vllm-venv``. vLLM runs on the same core
 ``VLLM_CPU_KVCACHE_SPACE`` takes it; its start-up compile counts in its time to ready, not in
 any throughput.
 
-    python bench/serving.py [--concurrencies 1,8,20,64] [--duration 30]
+    python bench/serving.py [--concurrencies 1,8,20,64] [--duration 30] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -259,6 +262,30 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def pause(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGSTOP)
+
+
+def resume(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGCONT)
+
+
+def median_levels(runs: list[list[dict]]) -> list[dict]:
+    """Per concurrency, the median of each measured figure over the runs, with the runs."""
+    levels = []
+    for rows in zip(*runs, strict=True):
+        level: dict[str, Any] = {"concurrency": rows[0]["concurrency"]}
+        for key in rows[0]:
+            if key != "concurrency":  # every other figure is a number, or None if unmeasured
+                values = [r[key] for r in rows if r[key] is not None]
+                level[key] = statistics.median(values) if values else None
+        level["runs"] = list(rows)
+        levels.append(level)
+    return levels
+
+
 def post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
     request = urllib.request.Request(
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -473,6 +500,44 @@ def plot(results: dict[str, list[dict]], name: str) -> Path:
     return common.save_figure(fig, name)
 
 
+def measure(
+    names: list[str],
+    servers: dict[str, Server],
+    generator: Callable[[Server, argparse.Namespace, Path], list[dict]],
+    args: argparse.Namespace,
+    workdir: Path,
+) -> tuple[dict[str, list[dict]], dict[str, float]]:
+    """Each server's levels (medians over the repeats, with their runs) and its seconds to
+    ready and warm."""
+    # Every server is started and warmed once; each repeat then measures them one at a time,
+    # in the reverse order of the repeat before, the others paused (SIGSTOP: an idle server's
+    # threads still poll and would take cycles from the one measured).
+    runs: dict[str, list[list[dict]]] = {name: [] for name in names}
+    ready_s: dict[str, float] = {}
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for name in names:
+            server = servers[name]
+            print(f"starting {name} ...", flush=True)
+            procs[name] = start(server, workdir)
+            ready_s[name] = wait_ready(server, procs[name], args.ready_timeout)
+            print(f"  ready and warm after {ready_s[name]:.0f} s", flush=True)
+            pause(procs[name])
+        for repeat in range(args.repeats):
+            for name in names if repeat % 2 == 0 else names[::-1]:
+                print(f"measuring {name} (run {repeat + 1} of {args.repeats}) ...", flush=True)
+                resume(procs[name])
+                try:
+                    runs[name].append(generator(servers[name], args, workdir))
+                finally:
+                    pause(procs[name])
+    finally:
+        for proc in procs.values():
+            resume(proc)
+            stop(proc)
+    return {name: median_levels(levels) for name, levels in runs.items()}, ready_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -507,6 +572,9 @@ def main() -> None:
         action="store_true",
         help="create or update the peers' virtual environment, then exit",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of every server, alternating their order"
+    )
     parser.add_argument("--ready-timeout", type=float, default=300)
     parser.add_argument("--name", default="serving")
     args = parser.parse_args()
@@ -539,18 +607,7 @@ def main() -> None:
         f"{args.concurrencies}; {args.threads} threads per server"
     )
 
-    results: dict[str, list[dict]] = {}
-    ready_s: dict[str, float] = {}
-    for name in names:
-        server = servers[name]
-        print(f"starting {name} ...", flush=True)
-        proc = start(server, workdir)
-        try:
-            ready_s[name] = wait_ready(server, proc, args.ready_timeout)
-            print(f"  ready and warm after {ready_s[name]:.0f} s; measuring ...", flush=True)
-            results[name] = generator(server, args, workdir)
-        finally:
-            stop(proc)
+    results, ready_s = measure(names, servers, generator, args, workdir)
 
     rows = []
     for name, levels in results.items():
@@ -566,6 +623,7 @@ def main() -> None:
                     r["ttft_p99_ms"],
                     r["itl_p50_ms"],
                     r["itl_p99_ms"],
+                    " ".join(f"{run['output_tokens_per_s']:.1f}" for run in r["runs"]),
                 ]
             )
     common.print_table(
@@ -579,6 +637,7 @@ def main() -> None:
             "TTFT p99 ms",
             "ITL p50 ms",
             "ITL p99 ms",
+            "runs' tok/s",
         ],
         rows,
         title=f"Online serving (load generator: {args.load_generator})",
@@ -623,6 +682,7 @@ def main() -> None:
             "output_len": args.output_len,
             "duration_s": args.duration,
             "concurrencies": args.concurrencies,
+            "repeats": args.repeats,
         },
         "servers": {n: {"command": servers[n].command, "ready_s": ready_s.get(n)} for n in names},
         "results": results,

