@@ -7,7 +7,7 @@ LOCK := requirements
 # lock is an error rather than a resolution.
 LOCKED := --require-hashes
 
-.PHONY: serve test test-latest e2e lint typecheck bench install install-test lock
+.PHONY: serve test test-latest e2e lint typecheck bench install install-test lock docs
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and \
@@ -54,6 +54,10 @@ typecheck: install-test
 	ln -s $(CURDIR)/node/* build/typecheck/pagedllm/
 	ln -s $(CURDIR)/kernels $(CURDIR)/operator build/typecheck/pagedllm/
 	$(BIN)/mypy
+
+# The documentation site on http://127.0.0.1:8000, rebuilt as its pages change (mkdocs.yml).
+docs: install-test
+	$(BIN)/mkdocs serve
 
 bench: install-test
 	$(BIN)/python bench/serving.py --setup-peers

@@ -72,8 +72,8 @@ LONG_STREAM_TOKENS = 600
 # A router that dies stays in its Service until the kubelet has seen the exit and the
 # endpoints follow (under a second here on an idle machine, more under load, 1-2 s in a real
 # cluster); a connection sent to it meanwhile is refused. The openai SDK's default two retries
-# of connection errors span only 1.1-1.5 s; four span 5.6-7.5 s, what the README tells
-# clients of a fleet to set.
+# of connection errors span only 1.1-1.5 s; four span 5.6-7.5 s, what the documentation
+# (docs/kubernetes/routers.md) tells clients of a fleet to set.
 CRASH_RETRIES = 4
 # The cluster autoscaler's node group: 3-GPU nodes (the cluster starts with 1-GPU ones), at
 # least one; a pod waits 4 s before a node is added (long enough to see it wait), a node is

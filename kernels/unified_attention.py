@@ -54,7 +54,7 @@ def tile_shape(
     and its pipelined K/V stages in shared memory, without spilling, on this target.
 
     Chosen from ``bench/kernels_aot.py``'s table (registers, spills and shared memory of every
-    configuration compiled for sm_80, sm_86, sm_89 and sm_90); see the README's Kernels section.
+    configuration compiled for sm_80, sm_86, sm_89 and sm_90); see docs/design/kernels.md.
     """
     head_bytes = head_dim_padded * element_size
     if element_size == 4:

@@ -3,7 +3,7 @@
     python requirements/latest.py install   # into this interpreter's venv
     python requirements/latest.py report    # which installed releases pyproject's bounds exclude
 
-Every requirement of pyproject (its dependencies and the test and bench extras) is installed
+Every requirement of pyproject (its dependencies and the test, bench and docs extras) is installed
 with its lower bound only, transitive dependencies upgraded too, except the bounds in KEPT: those
 are known breakages or choices, not releases waiting to be tested.
 """
@@ -21,7 +21,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTRAS = ("test", "bench")
+EXTRAS = ("test", "bench", "docs")
 KEPT = {
     # The CPU build from PyTorch's index (requirements/bootstrap.txt): a newer torch is a
     # deliberate move (its CPU wheel, the C++ kernels built against it, the CUDA image's Triton).

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Resolves every dependency once to exact versions with hashes (pip-tools' pip-compile), the one
 # place versions change. `make lock` runs it; commit what it writes:
-#   test.txt       the project with its test and benchmark extras, torch's CPU build, the build
-#                  backend: make test, CI and the benchmarks install exactly this set
+#   test.txt       the project with its test, benchmark and docs extras, torch's CPU build, the
+#                  build backend: make test, CI and the benchmarks install exactly this set
 #   cpu.txt        the project alone (make serve, the CPU image), held to test.txt's versions
 #   bootstrap.txt  pip and torch's CPU build, taken from test.txt: installed first, alone, with
 #                  PyTorch's CPU index (the other packages come from PyPI only)
@@ -31,7 +31,7 @@ compile() {  # compile OUTPUT SOURCES/OPTIONS...
         --no-emit-trusted-host --rebuild -o "$out" "$@"
 }
 
-compile requirements/test.txt --extra test --extra bench \
+compile requirements/test.txt --extra test --extra bench --extra docs \
     pyproject.toml requirements/torch-cpu.in requirements/build.in
 compile requirements/cpu.txt -c requirements/test.txt \
     pyproject.toml requirements/torch-cpu.in requirements/build.in

@@ -40,7 +40,7 @@ def project_requirements(*extras: str) -> list[Requirement]:
 
 @pytest.mark.parametrize(
     ("lock", "extras"),
-    [("test.txt", ("test", "bench")), ("cpu.txt", ()), ("cuda.txt", ("triton",))],
+    [("test.txt", ("test", "bench", "docs")), ("cpu.txt", ()), ("cuda.txt", ("triton",))],
 )
 def test_every_requirement_is_pinned_within_its_range(lock: str, extras: tuple[str, ...]) -> None:
     pinned = pins(lock)

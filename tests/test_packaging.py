@@ -31,7 +31,8 @@ def test_operator_package_and_stdlib_operator_coexist_from_the_repository_root()
     assert torch_loaded == "False"  # the operator stays light
 
 
-# The one rule from a file to its import path (pyproject's package-dir, stated in the README).
+# The one rule from a file to its import path (pyproject's package-dir, stated in
+# docs/contributing.md).
 PACKAGE_OF_FOLDER = {
     "node": "pagedllm",
     "kernels": "pagedllm.kernels",

@@ -1,7 +1,7 @@
 """A GitOps stand-in (test infrastructure): re-applies the repository's PagedLLM manifest every
 few seconds, as Argo CD or Flux does, with server-side apply under a field manager of its own
-and without `spec.replicas` (what the README tells GitOps users to leave out, so that the
-autoscaler owns it).
+and without `spec.replicas` (what docs/kubernetes/gitops.md tells GitOps users to leave out, so
+that the autoscaler owns it).
 
 After each apply it compares the PagedLLM and its Deployment with what they were just before:
 an apply of a manifest that matches what is live must change neither `metadata.generation`

@@ -1,13 +1,10 @@
 """What a user sees with the real kubectl against the emulator: `kubectl explain` from the
-CRD's published schema, `kubectl get` with a real API server's columns, and the README's
-cluster-less example."""
+CRD's published schema, `kubectl get` with a real API server's columns. (The documentation's
+cluster-less example, the getting-started tour, runs as written in tests/docs/test_tour.py.)"""
 
 from __future__ import annotations
 
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +12,6 @@ import yaml
 
 from pagedllm_testing.operator_harness import (
     CRD_PATH,
-    REPO,
     SAMPLES,
     EmulatorThread,
     Kube,
@@ -243,7 +239,7 @@ def test_get_services_and_replicasets(kubectl: Kubectl, namespace: str) -> None:
 def test_crd_and_custom_resource_in_one_apply_fail_as_on_a_cluster(tmp_path: Path) -> None:
     """Before the CRD exists its kind is in no OpenAPI v3 document: kubectl validates the
     sample against OpenAPI v2 (protobuf), which passes, and then finds no such kind, as on a
-    real cluster (hence the README's wait)."""
+    real cluster (hence the getting-started tour's wait)."""
     with EmulatorThread() as fresh:
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(kubeconfig_text(fresh.url))
@@ -264,49 +260,3 @@ def test_crd_and_custom_resource_in_one_apply_fail_as_on_a_cluster(tmp_path: Pat
     assert "error validating" not in result.stderr
     assert 'no matches for kind "PagedLLM"' in result.stderr
     assert "ensure CRDs are installed first" in result.stderr
-
-
-def readme_example() -> list[str]:
-    """The shell lines of the README's example without a cluster."""
-    readme = (REPO / "README.md").read_text()
-    block = next(
-        b
-        for b in re.findall(r"```sh\n(.*?)```", readme, flags=re.DOTALL)
-        if "pagedllm_testing.emulator" in b
-    )
-    return [line for line in block.splitlines() if line.strip()]
-
-
-def test_the_readme_example_without_a_cluster(tmp_path: Path) -> None:
-    """Line by line as a new user types it (the port aside), but for the operator."""
-    lines = readme_example()
-    start = lines[0].split()
-    assert start[:3] == ["python", "-m", "pagedllm_testing.emulator"] and start[-1] == "&"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    kubeconfig = tmp_path / "kubeconfig"
-    arguments = [str(port) if a == "8001" else a for a in start[3:-1]]
-    arguments = [str(kubeconfig) if a == "/tmp/kubeconfig" else a for a in arguments]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm_testing.emulator", *arguments],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None
-        assert "listening on" in server.stdout.readline()
-        kubectl = kubectl_for(kubeconfig, "default")
-        commands = [line.split()[1:] for line in lines if line.startswith("kubectl ")]
-        assert [c[0] for c in commands] == ["apply", "wait", "apply", "explain", "get"]
-        outputs = [
-            kubectl(*[str(REPO / a) if (REPO / a).is_file() else a for a in c]) for c in commands
-        ]
-        assert "condition met" in outputs[1].stdout
-        assert "pagedllm.pagedllm.io/demo created" in outputs[2].stdout
-        assert "FIELD: spec <Object>" in outputs[3].stdout
-        assert "pagedllm.pagedllm.io/demo" in outputs[4].stdout
-    finally:
-        server.terminate()
-        server.wait(timeout=10)

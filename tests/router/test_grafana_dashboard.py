@@ -16,19 +16,17 @@ from typing import Any
 
 import httpx
 import promql_parser
-import pytest
 import yaml
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedllm.config import resolve_model_dir
 from pagedllm.router.metrics import REJECTION_REASONS as ROUTER_REJECTIONS
 from pagedllm.router.metrics import UPSTREAM_ERROR_KINDS
 from pagedllm.router.policy import Reason
 from pagedllm.serve.metrics import FINISH_REASONS
 from pagedllm.serve.metrics import REJECTION_REASONS as NODE_REJECTIONS
-from pagedllm_testing.router_harness import ready_backends, start_router, wait_for
-from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
+from pagedllm_testing.router_harness import ready_backends, wait_for
+from pagedllm_testing.serve_harness import DEMO_MODEL, Server
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "manifests" / "grafana" / "pagedllm-dashboard.json"
@@ -141,27 +139,7 @@ def test_the_kustomize_base_ships_the_dashboard_for_grafanas_sidecar() -> None:
     assert json.loads(config_map["data"]["pagedllm-dashboard.json"]) == dashboard()
 
 
-# Speculating, so that the per-position acceptance counter has its positions too.
-NUM_SPECULATIVE_TOKENS = 3
-SPECULATIVE = json.dumps({"method": "ngram", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS})
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(
-        tmp_path_factory.mktemp("dashboard-node"), "--speculative-config", SPECULATIVE
-    )
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory, node: Server) -> Iterator[Server]:
-    server = start_router(
-        tmp_path_factory.mktemp("dashboard-router"), resolve_model_dir(None), [node.url]
-    )
-    yield server
-    server.stop()
+# The node (speculating) and the router in front of it are the package's (conftest.py).
 
 
 def samples(url: str) -> dict[str, dict[frozenset[tuple[str, str]], float]]:
@@ -185,16 +163,17 @@ def zero_for_each(
         assert found[name].get(labels) == 0, f"{name}{{{label}={value!r}}}: {found[name]}"
 
 
-# Runs first in the module: the node and router have served nothing yet.
+# Runs first in the module, and before any test of the package sends requests through them:
+# the node and router have served nothing yet.
 def test_a_fresh_node_and_router_export_every_fixed_label_value_at_zero(
-    node: Server, router: Server
+    node: Server, router: Server, num_speculative_tokens: int
 ) -> None:
     wait_for(lambda: ready_backends(router) == 1, router, "the node's feed")
     model = {"model_name": DEMO_MODEL}
     found = samples(node.url)
     zero_for_each(found, "vllm:request_success_total", "finished_reason", FINISH_REASONS, **model)
     zero_for_each(found, "pagedllm:requests_rejected_total", "reason", NODE_REJECTIONS, **model)
-    positions = [str(p) for p in range(NUM_SPECULATIVE_TOKENS)]
+    positions = [str(p) for p in range(num_speculative_tokens)]
     zero_for_each(
         found, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position", positions, **model
     )

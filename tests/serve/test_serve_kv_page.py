@@ -22,7 +22,7 @@ from pagedllm_testing.kv_feed_reader import FeedReader
 from pagedllm_testing.serve_harness import DEMO_MODEL, Server, start_server
 
 KEY = "kv-page-key"
-# Where the test leaves its screenshot: a run's own folder, or the README's image when
+# Where the test leaves its screenshot: a run's own folder, or the documentation's image when
 # PAGEDLLM_KV_SCREENSHOT names it (PAGEDLLM_KV_SCREENSHOT=docs/kv_map.png refreshes it).
 SCREENSHOT = Path(
     os.environ.get("PAGEDLLM_KV_SCREENSHOT")
