@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 DEFAULT_BATCHES = (1, 8, 16, 32, 64, 128, 256)
-TARGET_FRACTION = 0.60
+TARGET_FRACTION = 0.75
 
 
 @dataclass
