@@ -61,6 +61,7 @@ docs: install-test
 
 bench: install-test
 	$(BIN)/python bench/serving.py --setup-peers
+	$(BIN)/python bench/quantized.py --setup-llama
 
 # Resolves every dependency again to its newest allowed version and writes requirements/*.txt.
 lock:

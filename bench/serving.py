@@ -506,9 +506,10 @@ def measure(
     generator: Callable[[Server, argparse.Namespace, Path], list[dict]],
     args: argparse.Namespace,
     workdir: Path,
+    on_ready: Callable[[str, subprocess.Popen], None] | None = None,
 ) -> tuple[dict[str, list[dict]], dict[str, float]]:
     """Each server's levels (medians over the repeats, with their runs) and its seconds to
-    ready and warm."""
+    ready and warm; ``on_ready`` sees each server's process once it is warm."""
     # Every server is started and warmed once; each repeat then measures them one at a time,
     # in the reverse order of the repeat before, the others paused (SIGSTOP: an idle server's
     # threads still poll and would take cycles from the one measured).
@@ -522,6 +523,8 @@ def measure(
             procs[name] = start(server, workdir)
             ready_s[name] = wait_ready(server, procs[name], args.ready_timeout)
             print(f"  ready and warm after {ready_s[name]:.0f} s", flush=True)
+            if on_ready is not None:
+                on_ready(name, procs[name])
             pause(procs[name])
         for repeat in range(args.repeats):
             for name in names if repeat % 2 == 0 else names[::-1]:

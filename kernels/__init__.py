@@ -3,7 +3,8 @@
 ``kernel_ops(backend)`` returns the module implementing ``paged_attention``, ``write_kv`` and
 ``copy_blocks`` with the contract documented in :mod:`pagedllm.kernels.reference`, and the
 layers' elementwise work (``rms_norm``, ``add_rms_norm``, ``rotary_embedding``,
-``silu_and_mul``) with that of :mod:`pagedllm.kernels.layer_ops`.
+``silu_and_mul``) with that of :mod:`pagedllm.kernels.layer_ops`, and the weight-only
+quantized matmul (``quant_linear``) with that of :mod:`pagedllm.kernels.quant_linear`.
 ``backend`` is ``"auto"`` (Triton on CUDA, the CPU backend elsewhere), ``"cpu"`` (a C++
 decode kernel, see ``cpu_ops``), ``"torch"`` (the pure-torch reference) or ``"triton"`` (on
 the CPU the Triton interpreter is used, see ``triton_device``).
@@ -28,6 +29,7 @@ OPS = (
     "add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "quant_linear",
 )
 MODULES = {"cpu": "cpu_ops", "torch": "reference", "triton": "triton_ops"}
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_extension, layer_ops
+from pagedllm.kernels import quant_linear as quant_reference
 from pagedllm.kernels.reference import copy_blocks as copy_blocks
 
 # Steps of at most this many tokens of a sequence run as decode rows: a row per query reads
@@ -88,6 +89,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if not (_fused(x) and x.dim() == 2 and x.stride(-1) == 1):
         return layer_ops.silu_and_mul(x)
     return torch.ops.pagedllm_cpu.silu_and_mul(x)
+
+
+def quant_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """As :func:`pagedllm.kernels.quant_linear.quant_linear`."""
+    if not cpu_extension.load():
+        return quant_reference.quant_linear(x, qweight, scales, mins, bits, group_size)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.pagedllm_cpu.quant_linear(rows, qweight, scales, mins, bits, group_size)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:

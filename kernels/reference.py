@@ -20,6 +20,7 @@ from pagedllm.kernels.layer_ops import add_rms_norm as add_rms_norm
 from pagedllm.kernels.layer_ops import rms_norm as rms_norm
 from pagedllm.kernels.layer_ops import rotary_embedding as rotary_embedding
 from pagedllm.kernels.layer_ops import silu_and_mul as silu_and_mul
+from pagedllm.kernels.quant_linear import quant_linear as quant_linear
 
 
 def write_kv(

@@ -16,6 +16,10 @@ from pagedllm.kernels.layer_ops import add_rms_norm as add_rms_norm
 from pagedllm.kernels.layer_ops import rms_norm as rms_norm
 from pagedllm.kernels.layer_ops import rotary_embedding as rotary_embedding
 from pagedllm.kernels.layer_ops import silu_and_mul as silu_and_mul
+
+# The quantized matmul de-quantizes in torch: GPUs serve quantized models de-quantized at load
+# (pagedllm.models.quantized), so this runs only for the interpreter's tests.
+from pagedllm.kernels.quant_linear import quant_linear as quant_linear
 from pagedllm.kernels.triton_device import multiprocessor_count
 from pagedllm.kernels.unified_attention import choose_num_kv_splits, unified_attention
 

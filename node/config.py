@@ -13,6 +13,9 @@ from pagedllm.kernels import BACKENDS
 # The weight and activation dtypes a model can be served in; "auto" takes the checkpoint's.
 DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_CHOICES = ("auto", *DTYPES)
+# How weights are held (pagedllm.models.quantized): None keeps a GGUF file's quantized tensors
+# quantized, and every other weight in the dtype.
+QUANTIZATION_CHOICES = ("gguf", "int8", "none")
 
 
 @dataclass
@@ -21,6 +24,9 @@ class EngineConfig:
 
     ``model`` is a local Hugging Face directory, a GGUF file (or a directory holding one), or
     the name of a packaged model (``smollm2``); None means the built-in demo model.
+    ``quantization`` (vLLM's name): ``gguf`` keeps a GGUF file's quantized tensors quantized
+    (the default for such a file), ``int8`` quantizes float weights to int8 groups, ``none``
+    de-quantizes into ``dtype``.
     ``tokenizer`` takes the tokenizer from another directory or GGUF file.
     ``kv_cache_memory`` (bytes) sizes the KV cache directly; otherwise on CUDA
     ``gpu_memory_utilization`` of the device goes to weights, activations and cache, and on
@@ -31,6 +37,7 @@ class EngineConfig:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -48,6 +55,10 @@ class EngineConfig:
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}"
+            )
         _positive("block_size", self.block_size)
         if self.block_size > 256:
             raise ValueError(f"block_size must be at most 256, got {self.block_size}")

@@ -213,6 +213,8 @@ def serve_args(spec: PagedLLMSpec, model_path: str | None) -> list[str]:
         args += ["--kv-cache-memory", str(engine.kv_cache_memory_bytes)]
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
+    if engine.quantization is not None:
+        args += ["--quantization", engine.quantization]
     if engine.speculative is not None:
         args += ["--speculative-config", engine.speculative.to_json()]
     if spec.observability.otlp_endpoint is not None:

@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
 
+from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.core.speculative import SpeculativeConfig, parse_speculative_config
 
 GROUP = "pagedllm.io"
@@ -141,6 +142,7 @@ class EngineSpec:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     extra_args: tuple[str, ...] = ()
@@ -325,6 +327,12 @@ def parse_spec(raw: Mapping[str, Any]) -> PagedLLMSpec:
     engine_raw = _section(raw, "engine")
     defaults = EngineSpec()
     kv_cache = engine_raw.get("kvCacheMemory")
+    quantization = _pick(engine_raw, "quantization", None, str, "engine.")
+    if quantization not in (None, *QUANTIZATION_CHOICES):
+        raise InvalidSpec(
+            f"spec.engine.quantization: {quantization!r} is not one of "
+            f"{', '.join(QUANTIZATION_CHOICES)}"
+        )
     engine = EngineSpec(
         block_size=_pick(engine_raw, "blockSize", defaults.block_size, int, "engine."),
         gpu_memory_utilization=_pick(
@@ -337,6 +345,7 @@ def parse_spec(raw: Mapping[str, Any]) -> PagedLLMSpec:
         ),
         max_model_len=_pick(engine_raw, "maxModelLen", None, int, "engine."),
         dtype=_pick(engine_raw, "dtype", defaults.dtype, str, "engine."),
+        quantization=quantization,
         tensor_parallel_size=_pick(
             engine_raw, "tensorParallelSize", defaults.tensor_parallel_size, int, "engine."
         ),

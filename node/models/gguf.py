@@ -41,7 +41,7 @@ SUPPORTED_TENSOR_TYPES = (
     "Q5_K",
     "Q6_K",
 )
-_FLOAT_TYPES = ("F32", "F16", "BF16")
+FLOAT_TENSOR_TYPES = ("F32", "F16", "BF16")
 _TORCH_DTYPE_OF = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -147,7 +147,7 @@ class GGUFFile:
         """The file's float type when it holds no quantized tensors (its norms are F32 beside
         half-precision weights, so the half type is the model's); None otherwise."""
         kinds = set(self.tensor_types.values())
-        if not kinds <= set(_FLOAT_TYPES):
+        if not kinds <= set(FLOAT_TENSOR_TYPES):
             return None
         for kind in ("BF16", "F16", "F32"):
             if kind in kinds:

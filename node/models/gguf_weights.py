@@ -1,4 +1,5 @@
-"""The weights of a GGUF file, de-quantized and read under their Hugging Face names.
+"""The weights of a GGUF file, read under their Hugging Face names, de-quantized or kept
+quantized (``pagedllm.models.quantized``).
 
 The loader asks for ``model.layers.3.self_attn.q_proj.weight``; this reads ``blk.3.attn_q.weight``,
 de-quantizes it with the ``gguf`` package (to float32; the loader casts to ``--dtype``) and
@@ -19,6 +20,7 @@ import torch
 from pagedllm.models import ModelLoadError
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.gguf import GGUFFile
+from pagedllm.models.quantized import QuantizedWeight, from_gguf_blocks
 
 if TYPE_CHECKING:
     from pagedllm.models.gguf_reader import TensorInfo
@@ -98,17 +100,44 @@ class GGUFCheckpoint:
     def file_of(self, name: str) -> Path:
         return self.path
 
-    def slice(self, name: str) -> _Dense:
+    def _tensor(self, name: str) -> TensorInfo:
         gguf_name = gguf_tensor_name(name)
         tensor = self._tensors.get(gguf_name)
         if tensor is None:
             raise ModelLoadError(f"tensor {gguf_name} (for {name}) is missing from {self.path}")
-        values = torch.from_numpy(dequantize(tensor))
-        if ".attn_q." in gguf_name:
-            values = unpermute_rotary_rows(values, self.config.num_attention_heads)
-        elif ".attn_k." in gguf_name:
-            values = unpermute_rotary_rows(values, self.config.num_key_value_heads)
+        return tensor
+
+    def _rotary_heads(self, name: str) -> int | None:
+        """The heads whose rows llama.cpp permuted in tensor ``name`` (q and k), else None."""
+        if ".q_proj." in name:
+            return self.config.num_attention_heads
+        if ".k_proj." in name:
+            return self.config.num_key_value_heads
+        return None
+
+    def tensor_type(self, name: str) -> str:
+        """The ggml type name of the tensor read for ``name``."""
+        return self._tensor(name).type.name
+
+    def slice(self, name: str) -> _Dense:
+        values = torch.from_numpy(dequantize(self._tensor(name)))
+        heads = self._rotary_heads(name)
+        if heads is not None:
+            values = unpermute_rotary_rows(values, heads)
         return _Dense(values)
+
+    def quantized(self, name: str) -> QuantizedWeight:
+        """The 2-D tensor read for ``name``, kept quantized (its type one of
+        ``KEPT_GGUF_TYPES``)."""
+        tensor = self._tensor(name)
+        if len(tensor.shape) != 2:
+            raise ModelLoadError(f"tensor {tensor.name} has shape {list(tensor.shape)}, not 2-D")
+        rows, cols = tensor.shape
+        weight = from_gguf_blocks(tensor.type.name, tensor.data, rows, cols)
+        heads = self._rotary_heads(name)
+        if heads is not None:
+            weight = weight.rows(unpermute_rotary_rows(torch.arange(rows), heads))
+        return weight
 
 
 def dequantize(tensor: TensorInfo) -> np.ndarray:

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models import cpu_linear
+from pagedllm.models import cpu_linear, quantized
+from pagedllm.models.quantized import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -115,22 +116,56 @@ class RotaryEmbedding(nn.Module):
 
 
 class PackableLinear(nn.Linear):
-    """A linear layer whose weight can be packed for oneDNN once loaded (``cpu_linear``)."""
+    """A linear layer whose weight can be packed for oneDNN once loaded (``cpu_linear``), or
+    kept quantized (``quantized``)."""
 
     packed: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
+    quant_ops: ModuleType | None = None
 
     def pack_weight(self) -> None:
         """Keep the weight only in oneDNN's layout (the dense copy is freed)."""
         self.packed = cpu_linear.pack(self.weight)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
+    def set_quantized(self, weight: QuantizedWeight, ops: ModuleType) -> None:
+        """Multiply by ``weight`` through ``ops.quant_linear`` (the dense weight is freed)."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(
+                f"quantized weight of shape {list(weight.shape)} for a linear layer of "
+                f"{self.in_features} -> {self.out_features} features"
+            )
+        self.quantized, self.quant_ops = weight, ops
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quantized is not None:
+            assert self.quant_ops is not None
+            w = self.quantized
+            out = self.quant_ops.quant_linear(x, w.qweight, w.scales, w.mins, w.bits, w.group_size)
+            return out if bias is None else out + bias
         if self.packed is not None:
             return cpu_linear.linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
+
+
+class VocabEmbedding(nn.Embedding):
+    """The token embedding, its table dense or kept quantized (``quantized``: rows are
+    de-quantized as they are looked up)."""
+
+    quantized: QuantizedWeight | None = None
+
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        self.quantized = weight
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return quantized.lookup(self.quantized, ids, self.weight.dtype)
+        return super().forward(ids)
 
 
 class ColumnParallelLinear(PackableLinear):

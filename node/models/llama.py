@@ -20,6 +20,7 @@ from pagedllm.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
+    VocabEmbedding,
 )
 from pagedllm.worker.attention_metadata import AttentionMetadata
 
@@ -126,7 +127,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, ops: ModuleType, tp_size: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
             DecoderLayer(config, layer, ops, tp_size) for layer in range(config.num_hidden_layers)
@@ -166,10 +167,12 @@ class CausalLM(nn.Module):
         self.config = config
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.ops = ops
         self.model = DecoderModel(config, ops, tp_size)
-        # A tied head shares the embedding's weight (``tie_weights``); packed for oneDNN it
-        # becomes a copy of its own, since a lookup cannot read the packed layout: at decode
-        # batches the packed head runs 2-3x faster than ``F.linear`` over the dense embedding.
+        # A tied head shares the embedding's weight (``tie_weights``), or its quantized table;
+        # packed for oneDNN it becomes a copy of its own, since a lookup cannot read the packed
+        # layout: at decode batches the packed head runs 2-3x faster than ``F.linear`` over the
+        # dense embedding.
         self.lm_head = PackableLinear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
@@ -187,6 +190,8 @@ class CausalLM(nn.Module):
         parameters are moved or materialized (``to_empty`` gives each its own tensor)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+            if self.model.embed_tokens.quantized is not None:
+                self.lm_head.set_quantized(self.model.embed_tokens.quantized, self.ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[num_rows, vocab_size]`` float32 logits of the rows of ``hidden`` to sample from."""

@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 from pagedllm.api.chat_settings import ChatSettings, chat_template_arg
 from pagedllm.api.limits import MAX_N_LIMIT, RequestLimits
 from pagedllm.api.tool_parsers import PARSERS
-from pagedllm.config import DTYPE_CHOICES, EngineConfig, resolve_model_dir
+from pagedllm.config import (
+    DTYPE_CHOICES,
+    QUANTIZATION_CHOICES,
+    EngineConfig,
+    resolve_model_dir,
+)
 from pagedllm.kernels import BACKENDS
 from pagedllm.models.named import NAMED_MODELS
 
@@ -179,7 +184,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="send a trace of every request to this OTLP/HTTP collector (e.g. "
         "http://collector:4318; the path /v1/traces is added to a URL without one)",
     )
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="weights and activations; with quantized weights, the activations' (auto: the "
+        "checkpoint's, float32 for a quantized GGUF file)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_CHOICES,
+        default=None,
+        help="gguf: keep a GGUF file's quantized tensors quantized (the default for one); int8: "
+        "quantize float weights to int8 in groups of 32; none: de-quantize into --dtype",
+    )
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
     p.add_argument(
         "--gpu-memory-utilization",
@@ -343,6 +361,7 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
             model=ns.model,
             tokenizer=ns.tokenizer,
             dtype=ns.dtype,
+            quantization=ns.quantization,
             block_size=ns.block_size,
             kv_cache_memory=ns.kv_cache_memory,
             gpu_memory_utilization=ns.gpu_memory_utilization,

@@ -55,6 +55,7 @@ class ModelRunner:
         self.model, self.model_config = load_model(
             model_dir,
             dtype=config.dtype,
+            quantization=config.quantization,
             device=self.device,
             ops=self.ops,
             tp_rank=tp_rank,

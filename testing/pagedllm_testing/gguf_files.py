@@ -121,3 +121,30 @@ def write_tensors(path: Path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizat
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# The float16 fields of each block type (byte offsets), filled with small finite scales by
+# ``random_blocks`` so that random blocks decode to finite numbers.
+BLOCK_HALVES = {
+    GGMLQuantizationType.Q8_0: (0,),
+    GGMLQuantizationType.Q4_0: (0,),
+    GGMLQuantizationType.Q4_1: (0, 2),
+    GGMLQuantizationType.Q5_0: (0,),
+    GGMLQuantizationType.Q5_1: (0, 2),
+    GGMLQuantizationType.Q2_K: (80, 82),
+    GGMLQuantizationType.Q3_K: (108,),
+    GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,),
+}
+
+
+def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random bytes of ``rows`` rows of ``kind`` blocks, with small finite f16 scales."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    generator = np.random.default_rng(seed)
+    blocks = generator.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
+    for offset in BLOCK_HALVES[kind]:
+        halves = generator.uniform(-0.05, 0.05, len(blocks)).astype(np.float16)
+        blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)

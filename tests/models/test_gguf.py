@@ -8,6 +8,7 @@ Hugging Face checkpoints, so each GGUF-loaded parameter has a known answer.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 
 import gguf
@@ -19,13 +20,14 @@ from gguf import quants
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.integrations.gguf import dequant as hf_dequant
 
-from pagedllm.models import ModelLoadError, cpu_linear
+from pagedllm.models import ModelLoadError, cpu_linear, loader
 from pagedllm.models.config import read_model_config
 from pagedllm.models.gguf import SUPPORTED_TENSOR_TYPES, GGUFFile, find_gguf_file
 from pagedllm.models.gguf_weights import dequantize, unpermute_rotary_rows
-from pagedllm.models.layers import FrequencyFactorRopeScaling
+from pagedllm.models.layers import FrequencyFactorRopeScaling, PackableLinear, VocabEmbedding
 from pagedllm.models.loader import load_model
-from pagedllm_testing.gguf_files import llama_cpp_permute, write_gguf, write_tensors
+from pagedllm.models.quantized import quantize_int8, resident_weight_bytes
+from pagedllm_testing.gguf_files import llama_cpp_permute, random_blocks, write_gguf, write_tensors
 from pagedllm_testing.paged_logits import (
     CASES,
     assert_logits_match,
@@ -53,6 +55,7 @@ TINY = LlamaConfig(
 )
 # Quantizing types gguf can write: the largest error of a de-quantized weight, relative to the
 # largest magnitude in its row (a wrong decoding is off by the whole value).
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 ROUND_TRIP_TYPES = {
     Q.F16: 1e-3,
     Q.BF16: 1e-2,
@@ -61,15 +64,6 @@ ROUND_TRIP_TYPES = {
     Q.Q5_1: 0.07,
     Q.Q4_0: 0.15,
     Q.Q4_1: 0.15,
-}
-# f16 fields of each K-quant block (byte offsets): filled with sane scales so that random blocks
-# decode to finite numbers.
-K_QUANT_HALVES = {
-    Q.Q2_K: (80, 82),
-    Q.Q3_K: (108,),
-    Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2),
-    Q.Q6_K: (208,),
 }
 
 
@@ -149,7 +143,7 @@ def test_unpermute_inverts_llama_cpp_permute():
 @pytest.mark.parametrize("kind", sorted(ROUND_TRIP_TYPES, key=lambda k: k.name))
 def test_quantized_file_loads_the_dequantized_weights(tiny_dir, tmp_path, kind):
     path = write_gguf(tiny_dir, tmp_path / "tiny.gguf", kind)
-    ours, _ = load_model(path, dtype="float32")
+    ours, _ = load_model(path, dtype="float32", quantization="none")
     reference, _ = load_model(tiny_dir, dtype="float32")
     originals = parameters(reference)
     for name, value in parameters(ours).items():
@@ -167,7 +161,7 @@ def test_quantized_file_loads_the_dequantized_weights(tiny_dir, tmp_path, kind):
 
 def test_quantized_file_matches_transformers_reading_it(tiny_dir, tmp_path):
     path = write_gguf(tiny_dir, tmp_path / "tiny.gguf", Q.Q4_1)
-    ours, _ = load_model(path, dtype="float32")
+    ours, _ = load_model(path, dtype="float32", quantization="none")
     theirs = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
@@ -175,20 +169,7 @@ def test_quantized_file_matches_transformers_reading_it(tiny_dir, tmp_path):
     assert_logits_match(paged_logits(ours, tokens, 8), hf_logits(theirs, tokens))
 
 
-def random_blocks(kind: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random bytes of ``rows`` rows of ``kind`` blocks, with small finite f16 scales."""
-    from gguf import GGML_QUANT_SIZES
-
-    block_size, type_size = GGML_QUANT_SIZES[kind]
-    generator = np.random.default_rng(seed)
-    blocks = generator.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
-    for offset in K_QUANT_HALVES.get(kind, ()):
-        halves = generator.uniform(-0.05, 0.05, len(blocks)).astype(np.float16)
-        blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
-
-
-@pytest.mark.parametrize("kind", sorted(K_QUANT_HALVES, key=lambda k: k.name))
+@pytest.mark.parametrize("kind", K_QUANTS, ids=lambda k: k.name)
 def test_k_quants_decode_like_transformers(tmp_path, kind):
     """gguf cannot write K-quants, so random blocks go into the file and the values read back
     must equal transformers' own (torch) decoder of the same bytes."""
@@ -203,7 +184,7 @@ def test_k_quants_decode_like_transformers(tmp_path, kind):
 
 
 def test_every_claimed_type_is_checked_here():
-    checked = {kind.name for kind in (*ROUND_TRIP_TYPES, *K_QUANT_HALVES)} | {"F32"}
+    checked = {kind.name for kind in (*ROUND_TRIP_TYPES, *K_QUANTS)} | {"F32"}
     assert checked == set(SUPPORTED_TENSOR_TYPES)
 
 
@@ -273,3 +254,89 @@ def test_a_truncated_tensor_is_a_clear_error(tiny_dir, tmp_path):
     path.write_bytes(path.read_bytes()[:-1000])
     with pytest.raises(ModelLoadError, match="runs past the end of the file"):
         read_model_config(path)
+
+
+# Resident bytes of a kept file over the file's: Q8_0 and Q4_1 as they are; Q4_0 gains a
+# float16 minimum (-8 x its scale) per 32 values, Q5_0 and Q5_1 hold 5-bit values in bytes.
+KEPT_SIZE = {Q.Q8_0: 1.02, Q.Q4_1: 1.02, Q.Q4_0: 1.15, Q.Q5_0: 1.6, Q.Q5_1: 1.6}
+
+
+def linear_weights(model) -> dict[str, torch.Tensor]:
+    """Every linear layer's and the embedding's weight, de-quantized where kept quantized."""
+    weights = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (PackableLinear, VocabEmbedding)):
+            held = module.quantized
+            weights[name] = held.dequantize(torch.float32) if held else module.weight.detach()
+    return weights
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda k: k.name)
+def test_quantized_tensors_are_kept_quantized_with_the_same_values(tiny_dir, tmp_path, kind):
+    path = write_gguf(tiny_dir, tmp_path / "tiny.gguf", kind)
+    kept, _ = load_model(path, dtype="float32")
+    dense, _ = load_model(path, dtype="float32", quantization="none")
+    held = [m for m in kept.modules() if isinstance(m, PackableLinear)]
+    assert held and all(m.quantized is not None and m.weight.numel() == 0 for m in held)
+    assert kept.model.embed_tokens.quantized is not None
+    expected = linear_weights(dense)
+    for name, weight in linear_weights(kept).items():
+        assert torch.equal(weight, expected[name]), name
+    # The file's quantized tensors in about their own bytes, instead of four per weight.
+    file_bytes = sum(t.data.nbytes for t in GGUFFile.open(path).contents.tensors.values())
+    resident = resident_weight_bytes(kept)
+    assert resident <= KEPT_SIZE[kind] * file_bytes < resident_weight_bytes(dense)
+    tokens = token_sequences()
+    for ours, theirs in zip(
+        paged_logits(kept, tokens, 8), paged_logits(dense, tokens, 8), strict=True
+    ):
+        assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+
+
+def test_a_tied_quantized_embedding_is_held_once(tmp_path):
+    from pagedllm.models.demo import demo_model_dir
+
+    path = write_gguf(demo_model_dir(), tmp_path / "demo.gguf", Q.Q8_0)
+    model, config = load_model(path, dtype="float32")
+    assert config.tie_word_embeddings
+    assert model.lm_head.quantized is model.model.embed_tokens.quantized is not None
+
+
+def test_a_type_the_kernels_cannot_take(tiny_dir, tmp_path, monkeypatch, caplog):
+    path = write_gguf(tiny_dir, tmp_path / "tiny.gguf", Q.Q8_0)
+    # As if the kernels took no Q8_0: what a Q2_K or Q3_K file meets.
+    monkeypatch.setattr(loader, "KEPT_GGUF_TYPES", ("Q4_0",))
+    with pytest.raises(ModelLoadError, match=r"--quantization gguf: tensor .* stored as Q8_0"):
+        load_model(path, dtype="float32", quantization="gguf")
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        model, _ = load_model(path, dtype="float32")
+    assert "GGUF tensors of type Q8_0 are de-quantized at load" in caplog.text
+    assert all(getattr(m, "quantized", None) is None for m in model.modules())
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_dir):
+    with pytest.raises(ModelLoadError, match="is not a GGUF model"):
+        load_model(tiny_dir, quantization="gguf")
+    with pytest.raises(ModelLoadError, match="quantization must be one of"):
+        load_model(tiny_dir, quantization="fp8")
+
+
+def test_int8_matches_a_model_with_the_same_dequantized_weights(tiny_dir):
+    quantized, _ = load_model(tiny_dir, dtype="float32", quantization="int8")
+    reference, _ = load_model(tiny_dir, dtype="float32")
+    linears = [m for m in quantized.modules() if isinstance(m, PackableLinear)]
+    assert linears and all(m.quantized is not None for m in linears)
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            if isinstance(module, PackableLinear):
+                dense = quantize_int8(module.weight).dequantize(torch.float32)
+                module.weight.copy_(dense)
+                assert torch.equal(
+                    dense, quantized.get_submodule(name).quantized.dequantize(torch.float32)
+                )
+    tokens = token_sequences()
+    for ours, theirs in zip(
+        paged_logits(quantized, tokens, 8), paged_logits(reference, tokens, 8), strict=True
+    ):
+        assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+        assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9

@@ -18,11 +18,23 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import resolve_model_dir
 from pagedllm.models.config import read_model_config
+from pagedllm.models.loader import load_model
 from pagedllm.models.named import NAMED_MODELS
+from pagedllm.models.quantized import resident_weight_bytes
 from pagedllm.models.tokenizer import load_tokenizer
+from pagedllm_testing import quality
 
 MAX_TOKENS = 24
-ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory": 64 * 2**20, "max_model_len": 1024}
+QUALITY_TOKENS = 48
+GGUF_TENSOR_BYTES = 96_576_768  # the file's tensors: Q4_1 linears, a Q8_0 embedding, F32 norms
+# Parity with transformers is of the float32 path: the file's weights de-quantized, as
+# transformers reads them (the quantized path's own test is at the end).
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "quantization": "none",
+    "kv_cache_memory": 64 * 2**20,
+    "max_model_len": 1024,
+}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PLAIN_PROMPTS = [
     "The three primary colors are",
@@ -128,3 +140,28 @@ def test_a_dequantized_hugging_face_copy_gives_the_same_tokens(
     for ours, theirs in zip(gguf_outputs, greedy(str(copy), prompts), strict=True):
         assert ours.prompt_token_ids == theirs.prompt_token_ids
         assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids, ours.prompt
+
+
+def test_the_quantized_path_stays_close_to_the_float32_path(smollm2):
+    """The file's weights kept quantized (the default) against the same weights de-quantized:
+    teacher-forced on the float32 path's greedy tokens, the argmax agrees at 90 % of the
+    positions or more; perplexity on a fixed text within 2 %."""
+    kept, _ = load_model(smollm2)
+    dense, _ = load_model(smollm2, quantization="none")
+    assert resident_weight_bytes(kept) < 1.35 * GGUF_TENSOR_BYTES < resident_weight_bytes(dense)
+    tokenizer = load_tokenizer(smollm2)
+    agreeing = positions = 0
+    for question in quality.CHAT_QUESTIONS:
+        prompt = tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+            )
+        )
+        reference = quality.greedy_tokens(dense, prompt, QUALITY_TOKENS)
+        agreement = quality.teacher_forced_agreement(kept, prompt, reference)
+        agreeing, positions = agreeing + agreement.agreeing, positions + agreement.positions
+    assert agreeing / positions >= 0.9
+    text = tokenizer.encode(quality.TEXT.read_text())[: quality.TEXT_TOKENS]
+    assert len(text) == quality.TEXT_TOKENS
+    ours, theirs = quality.perplexity(kept, text), quality.perplexity(dense, text)
+    assert abs(ours / theirs - 1) < 0.02 and theirs < 100

@@ -68,6 +68,9 @@ def test_page_and_feed_need_the_key_as_header_or_cookie(node: Server) -> None:
         assert next(lines).startswith('data: {"seq":')
 
 
+MAX_ROUNDS = 5
+
+
 def page_counts(driver: Any) -> dict[str, int]:
     values = driver.execute_script("return {...document.getElementById('counts').dataset}")
     return {k: int(v) for k, v in values.items() if k != "waste"}
@@ -136,29 +139,33 @@ def test_block_map_in_chromium_matches_the_node(node: Server) -> None:
             what="the page's first map",
         )
         errors: list[BaseException] = []
-        threads = run_requests(node, errors)
         matched: list[dict[str, int]] = []
         shot = False
-        while any(t.is_alive() for t in threads):
-            before = page_counts(driver)
-            theirs = node_counts(node)
-            after = page_counts(driver)
-            # The page's own count of distinct blocks in the tables and the pool's figure
-            # sent with the same map agree always.
-            assert before["used"] == before["schedulerUsed"], before
-            assert before["free"] == before["blocks"] - before["used"], before
-            if before == after and all(before[k] == theirs[k] for k in theirs):
-                matched.append(before)
-            if before["shared"] and not shot and before["used"] >= 40:
-                SCREENSHOT.parent.mkdir(exist_ok=True)
-                driver.save_screenshot(str(SCREENSHOT))
-                shot = True
-            time.sleep(0.05)
-        for thread in threads:
-            thread.join()
-        assert not errors, errors
         # The map is sampled at most a few times a second and the node steps many times a
-        # second, so only moments when neither moved compare; there are many of them.
+        # second, so only moments when neither moved compare; a round of requests has several
+        # of them, a machine busy with other work fewer: rounds run until three compared.
+        for _ in range(MAX_ROUNDS):
+            threads = run_requests(node, errors)
+            while any(t.is_alive() for t in threads):
+                before = page_counts(driver)
+                theirs = node_counts(node)
+                after = page_counts(driver)
+                # The page's own count of distinct blocks in the tables and the pool's figure
+                # sent with the same map agree always.
+                assert before["used"] == before["schedulerUsed"], before
+                assert before["free"] == before["blocks"] - before["used"], before
+                if before == after and all(before[k] == theirs[k] for k in theirs):
+                    matched.append(before)
+                if before["shared"] and not shot and before["used"] >= 40:
+                    SCREENSHOT.parent.mkdir(exist_ok=True)
+                    driver.save_screenshot(str(SCREENSHOT))
+                    shot = True
+                time.sleep(0.05)
+            for thread in threads:
+                thread.join()
+            assert not errors, errors
+            if len(matched) >= 3:
+                break
         assert len(matched) >= 3, matched
         assert any(m["shared"] > 0 and m["sequences"] >= 4 for m in matched), matched
         assert shot, "no map with shared blocks was seen"

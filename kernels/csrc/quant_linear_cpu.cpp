@@ -1,0 +1,454 @@
+// Weight-only quantized matmuls for the CPU: ``out = x @ W.T`` with W kept in quantized groups
+// and de-quantized in registers, a few output features and input rows at a time, so that a
+// weight byte is read from memory once per call whatever the batch. At decode batches a matmul
+// is bound by the bytes of its weight, which is what keeping them quantized saves (llama.cpp's
+// idea, over the group layouts of pagedllm/models/quantized.py).
+//
+// W[n, k] = scale[n, k / G] * q[n, k] + min[n, k / G] (no min: 0), q read from
+//   bits 8: int8 [N, K], one value a byte;
+//   bits 4: uint8 [N, K / 2], a group of 32 values in 16 bytes, byte i holding value i in its
+//           low nibble and value i + 16 in its high one (GGUF's Q4_0 and Q4_1 order).
+// scale and min are float16 [N, K / G]; G is 16 or 32 (32 for bits 4).
+// The products are summed in float32; x is float32 (the op converts other dtypes and converts
+// the output back).
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "vec.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace pagedllm_vec;
+
+// kWidth bytes from p widened to 32-bit lanes (zero- or sign-extended), as floats after
+// ``(lane >> shift) & mask``. x86 has single instructions for the widening, which the generic
+// vector code below does not reach (GCC scalarizes it).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline vfloat from_bytes(const uint8_t* p, int shift) {
+  const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (vfloat)_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(wide, shift),
+                                                      _mm512_set1_epi32(15)));
+}
+inline vfloat from_signed_bytes(const uint8_t* p) {
+  return (vfloat)_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(__AVX2__)
+inline vfloat from_bytes(const uint8_t* p, int shift) {
+  const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return (vfloat)_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(wide, shift),
+                                                      _mm256_set1_epi32(15)));
+}
+inline vfloat from_signed_bytes(const uint8_t* p) {
+  return (vfloat)_mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#else
+typedef uint8_t vbyte __attribute__((vector_size(kWidth)));
+typedef int8_t vsbyte __attribute__((vector_size(kWidth)));
+inline vfloat from_bytes(const uint8_t* p, int shift) {
+  vbyte bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  const vuint wide = __builtin_convertvector(bytes, vuint);
+  return __builtin_convertvector((wide >> shift) & 15u, vfloat);
+}
+inline vfloat from_signed_bytes(const uint8_t* p) {
+  vsbyte bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  return __builtin_convertvector(__builtin_convertvector(bytes, vint), vfloat);
+}
+#endif
+
+inline float half_to_float(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return float(h);
+#endif
+}
+
+struct Weight {
+  const uint8_t* q;
+  const at::Half* scale;
+  const at::Half* min;  // null: no minimums
+  int64_t q_row;        // bytes per output feature
+  int64_t groups;       // groups per output feature
+  int group;
+};
+
+// Output rows per tile (x rows sharing each de-quantized weight vector) and output features
+// per tile; acc is MT x NT vectors, which the register file holds.
+constexpr int kTileRows = kWidth == 16 ? 4 : 2;
+constexpr int kTileCols = 4;
+
+// out[m, n] for MT rows from x and NT features from n0; HAS_MIN picks the affine form.
+template <int BITS, int MT, int NT, bool HAS_MIN>
+void tile(const float* x, int64_t x_stride, const Weight& w, int64_t n0, int64_t K, float* out,
+          int64_t out_stride) {
+  vfloat acc[MT][NT];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NT; ++j) acc[i][j] = vfloat{};
+
+  // One de-quantized vector of each feature, multiplied into every row at x offset k.
+  auto accumulate = [&](const vfloat (&wv)[NT], int64_t k) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const vfloat xv = load(x + i * x_stride + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NT; ++j) acc[i][j] += wv[j] * xv;
+    }
+  };
+
+  const int G = w.group;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    vfloat sv[NT], mv[NT];
+#pragma GCC unroll 8
+    for (int j = 0; j < NT; ++j) {
+      const int64_t at = (n0 + j) * w.groups + g;
+      sv[j] = splat(half_to_float(w.scale[at]));
+      mv[j] = HAS_MIN ? splat(half_to_float(w.min[at])) : vfloat{};
+    }
+    const int64_t k0 = g * G;
+    if constexpr (BITS == 4) {
+      // 16 bytes: values c .. c + kWidth from the low nibbles, 16 + c .. from the high ones.
+      for (int c = 0; c < 16; c += kWidth) {
+        vfloat lo[NT], hi[NT];
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; ++j) {
+          const uint8_t* p = w.q + (n0 + j) * w.q_row + g * 16 + c;
+          lo[j] = from_bytes(p, 0) * sv[j] + mv[j];
+          hi[j] = from_bytes(p, 4) * sv[j] + mv[j];
+        }
+        accumulate(lo, k0 + c);
+        accumulate(hi, k0 + 16 + c);
+      }
+    } else {
+      for (int c = 0; c < G; c += kWidth) {
+        vfloat wv[NT];
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; ++j) {
+          const uint8_t* p = w.q + (n0 + j) * w.q_row + k0 + c;
+          wv[j] = from_signed_bytes(p) * sv[j] + mv[j];
+        }
+        accumulate(wv, k0 + c);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NT; ++j) out[i * out_stride + n0 + j] = sum(acc[i][j]);
+}
+
+// Rows m0 .. m0 + rows (fewer than kTileRows) of one feature tile: the instantiation for rows.
+template <int BITS, int NT, bool HAS_MIN>
+void tile_rows(int rows, const float* x, int64_t x_stride, const Weight& w, int64_t n0, int64_t K,
+               float* out, int64_t out_stride) {
+  switch (rows) {
+    case 1: return tile<BITS, 1, NT, HAS_MIN>(x, x_stride, w, n0, K, out, out_stride);
+    case 2: return tile<BITS, 2, NT, HAS_MIN>(x, x_stride, w, n0, K, out, out_stride);
+    case 3: return tile<BITS, 3, NT, HAS_MIN>(x, x_stride, w, n0, K, out, out_stride);
+    default: return tile<BITS, 4, NT, HAS_MIN>(x, x_stride, w, n0, K, out, out_stride);
+  }
+}
+
+template <int BITS, bool HAS_MIN>
+void matmul(const at::Tensor& x, const Weight& w, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t col_tiles = (N + kTileCols - 1) / kTileCols;
+  // Feature tiles per task: about 64k multiply-adds, so that a short matmul runs inline.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (K * M * kTileCols));
+  at::parallel_for(0, col_tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTileCols;
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int rows = int(std::min<int64_t>(kTileRows, M - m0));
+        const float* xr = xp + m0 * K;
+        float* orow = op + m0 * N;
+        if (n0 + kTileCols <= N) {
+          tile_rows<BITS, kTileCols, HAS_MIN>(rows, xr, K, w, n0, K, orow, N);
+        } else {
+          for (int64_t n = n0; n < N; ++n) tile_rows<BITS, 1, HAS_MIN>(rows, xr, K, w, n, K, orow, N);
+        }
+      }
+    }
+  });
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define PAGEDLLM_QUANT_VNNI 1
+// With VNNI the rows are quantized too, to int8 in groups of 32 (llama.cpp's Q8 activations),
+// and each group's products are summed by vpdpbusd, 4 byte pairs a lane: a 32-value group of a
+// weight row costs a handful of instructions instead of de-quantizing it into floats. The
+// weight's bytes are the unsigned operand: 4-bit values as they are, int8 values offset by 128
+// (the offset taken back through the minimum, -128 * scale). Minimums multiply the row's sums,
+// spread over the lanes of its 16-value halves so that the lanes' total adds them.
+struct QuantizedRows {
+  at::Tensor q;       // int8 [M, K]
+  at::Tensor scale;   // float [M, K / 32]
+  at::Tensor quarter; // float [M, K / 16]: the sum of each 16 de-quantized values, over 4
+};
+
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / 32;
+  QuantizedRows r{at::empty({M, K}, at::kChar), at::empty({M, groups}, at::kFloat),
+                  at::empty({M, K / 16}, at::kFloat)};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = r.q.data_ptr<int8_t>();
+  float* sp = r.scale.data_ptr<float>();
+  float* hp = r.quarter.data_ptr<float>();
+  at::parallel_for(0, M * groups, std::max<int64_t>(1, 2048 / 32), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float* src = xp + i * 32;  // rows are contiguous: group i of the whole matrix
+      const __m512 a = _mm512_loadu_ps(src), c = _mm512_loadu_ps(src + 16);
+      const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(a)),
+                                  _mm512_reduce_max_ps(_mm512_abs_ps(c)));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+      const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qp + i * 32), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qp + i * 32 + 16), _mm512_cvtsepi32_epi8(qc));
+      sp[i] = d;
+      hp[2 * i] = d * float(_mm512_reduce_add_epi32(qa)) / 4.f;
+      hp[2 * i + 1] = d * float(_mm512_reduce_add_epi32(qc)) / 4.f;
+    }
+  });
+  return r;
+}
+
+inline __m256 halves(float low, float high) {
+  return _mm256_set_m128(_mm_set1_ps(high), _mm_set1_ps(low));
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// The scales and effective minimums of features n0 .. n0 + NT as floats, [NT][groups] each
+// (float16 is converted once per tile, not once per use).
+template <int BITS, int NT, bool HAS_MIN>
+void tile_scales(const Weight& w, int64_t n0, float* scales, float* mins) {
+  for (int j = 0; j < NT; ++j) {
+    const at::Half* s = w.scale + (n0 + j) * w.groups;
+    const at::Half* m = HAS_MIN ? w.min + (n0 + j) * w.groups : nullptr;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const float sg = half_to_float(s[g]);
+      scales[j * w.groups + g] = sg;
+      mins[j * w.groups + g] = (HAS_MIN ? half_to_float(m[g]) : 0.f) - (BITS == 8 ? 128.f * sg : 0.f);
+    }
+  }
+}
+
+template <int BITS, int MT, int NT, bool HALVES>
+void tile_vnni(const QuantizedRows& x, int64_t m0, const Weight& w, const float* scales,
+               const float* mins, int64_t n0, int64_t K, float* out, int64_t out_stride) {
+  const int8_t* xq = x.q.data_ptr<int8_t>() + m0 * K;
+  const float* xs = x.scale.data_ptr<float>() + m0 * (K / 32);
+  const float* xh = x.quarter.data_ptr<float>() + m0 * (K / 16);
+  __m256 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K / 32; ++c) {
+    __m256i wv[NT];
+    __m256 sv[NT], mv[NT];
+    for (int j = 0; j < NT; ++j) {
+      const uint8_t* p = w.q + (n0 + j) * w.q_row;
+      // Rows are read as NT streams at once; fetching ahead keeps their lines in flight.
+      _mm_prefetch(reinterpret_cast<const char*>(p + (c + 8) * BITS * 4), _MM_HINT_T0);
+      if constexpr (BITS == 4) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * 16));
+        const __m128i low = _mm_and_si128(b, _mm_set1_epi8(15));
+        const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+        wv[j] = _mm256_set_m128i(high, low);
+      } else {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c * 32));
+        wv[j] = _mm256_xor_si256(b, _mm256_set1_epi8(char(0x80)));
+      }
+      if constexpr (HALVES) {  // groups of 16: two per 32 values
+        const float* sg = scales + j * w.groups + 2 * c;
+        const float* mg = mins + j * w.groups + 2 * c;
+        sv[j] = halves(sg[0], sg[1]);
+        mv[j] = halves(mg[0], mg[1]);
+      } else {
+        sv[j] = _mm256_broadcast_ss(scales + j * w.groups + c);
+        mv[j] = _mm256_broadcast_ss(mins + j * w.groups + c);
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + c * 32));
+      const __m256 d = _mm256_broadcast_ss(xs + i * (K / 32) + c);
+      const __m256 h = halves(xh[i * (K / 16) + 2 * c], xh[i * (K / 16) + 2 * c + 1]);
+      for (int j = 0; j < NT; ++j) {
+        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[j], q);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv[j], d), acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(mv[j], h, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) out[i * out_stride + n0 + j] = hsum8(acc[i][j]);
+}
+
+template <int BITS, int NT, bool HALVES>
+void tile_vnni_rows(int rows, const QuantizedRows& x, int64_t m0, const Weight& w,
+                    const float* scales, const float* mins, int64_t n0, int64_t K, float* out,
+                    int64_t out_stride) {
+  switch (rows) {
+    case 1: return tile_vnni<BITS, 1, NT, HALVES>(x, m0, w, scales, mins, n0, K, out, out_stride);
+    case 2: return tile_vnni<BITS, 2, NT, HALVES>(x, m0, w, scales, mins, n0, K, out, out_stride);
+    case 3: return tile_vnni<BITS, 3, NT, HALVES>(x, m0, w, scales, mins, n0, K, out, out_stride);
+    default: return tile_vnni<BITS, 4, NT, HALVES>(x, m0, w, scales, mins, n0, K, out, out_stride);
+  }
+}
+
+template <int BITS, bool HAS_MIN>
+void matmul_vnni(const at::Tensor& xf, const Weight& w, at::Tensor& out) {
+  const int64_t M = xf.size(0), K = xf.size(1), N = out.size(1);
+  const QuantizedRows x = quantize_rows(xf);
+  float* op = out.data_ptr<float>();
+  constexpr int kRows = 4, kCols = 4;
+  const int64_t col_tiles = (N + kCols - 1) / kCols;
+  const int64_t grain = std::max<int64_t>(1, 65536 / (K * M * kCols));
+  const bool halves = w.group == 16;
+  at::parallel_for(0, col_tiles, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scales(kCols * w.groups), mins(kCols * w.groups);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kCols;
+      const bool whole = n0 + kCols <= N;
+      if (whole) {
+        tile_scales<BITS, kCols, HAS_MIN>(w, n0, scales.data(), mins.data());
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const int rows = int(std::min<int64_t>(kRows, M - m0));
+        float* orow = op + m0 * N;
+        if (whole) {
+          (halves ? tile_vnni_rows<BITS, kCols, true> : tile_vnni_rows<BITS, kCols, false>)(
+              rows, x, m0, w, scales.data(), mins.data(), n0, K, orow, N);
+          continue;
+        }
+        for (int64_t n = n0; n < N; ++n) {
+          tile_scales<BITS, 1, HAS_MIN>(w, n, scales.data(), mins.data());
+          (halves ? tile_vnni_rows<BITS, 1, true> : tile_vnni_rows<BITS, 1, false>)(
+              rows, x, m0, w, scales.data(), mins.data(), n, K, orow, N);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// The weight de-quantized to float32 [N, K]: for many rows a matmul is bound by compute, and a
+// float GEMM (oneDNN's, through at::matmul) over a de-quantized copy beats de-quantizing each
+// vector once per tile of rows.
+template <int BITS, bool HAS_MIN>
+at::Tensor dequantized(const Weight& w, int64_t N, int64_t K) {
+  at::Tensor out = at::empty({N, K}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  const int G = w.group;
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float* row = op + n * K;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const vfloat s = splat(half_to_float(w.scale[n * w.groups + g]));
+        const vfloat m = HAS_MIN ? splat(half_to_float(w.min[n * w.groups + g])) : vfloat{};
+        if constexpr (BITS == 4) {
+          for (int c = 0; c < 16; c += kWidth) {
+            const uint8_t* p = w.q + n * w.q_row + g * 16 + c;
+            store(row + g * G + c, from_bytes(p, 0) * s + m);
+            store(row + g * G + 16 + c, from_bytes(p, 4) * s + m);
+          }
+        } else {
+          for (int c = 0; c < G; c += kWidth) {
+            store(row + g * G + c, from_signed_bytes(w.q + n * w.q_row + g * G + c) * s + m);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// From this many rows on, a matmul runs as a float GEMM over the de-quantized weight (the
+// integer products keep up with it longer).
+#ifdef PAGEDLLM_QUANT_VNNI
+constexpr int64_t kGemmRows = 128;
+#else
+constexpr int64_t kGemmRows = 32;
+#endif
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group_size) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU matrix [rows, in_features]");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(group_size % kWidth == 0 && (group_size == 16 || group_size == 32) &&
+                  (bits == 8 || group_size == 32),
+              "group_size must be 16 or 32 (32 for 4 bits), got ", group_size);
+  const int64_t K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % group_size == 0, "in_features ", K, " is not a multiple of the group size");
+  TORCH_CHECK(qweight.is_contiguous() && qweight.dim() == 2 &&
+                  qweight.size(1) == (bits == 4 ? K / 2 : K) &&
+                  (qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar)),
+              "qweight must be contiguous ", bits == 4 ? "uint8 [N, K/2]" : "int8 [N, K]");
+  const int64_t groups = K / group_size;
+  auto check_groups = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kHalf && t.dim() == 2 &&
+                    t.size(0) == N && t.size(1) == groups,
+                name, " must be contiguous float16 [out_features, in_features / group_size]");
+  };
+  check_groups(scales, "scales");
+  const bool has_min = mins.has_value();
+  if (has_min) check_groups(*mins, "mins");
+
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  if (x.size(0) == 0 || N == 0) return out.to(x.scalar_type());
+  const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()),  // int8 read as bytes
+                 scales.data_ptr<at::Half>(),
+                 has_min ? mins->data_ptr<at::Half>() : nullptr,
+                 qweight.size(1),
+                 groups,
+                 int(group_size)};
+  if (x.size(0) >= kGemmRows) {
+    const at::Tensor weight = bits == 4 ? (has_min ? dequantized<4, true>(w, N, K)
+                                                   : dequantized<4, false>(w, N, K))
+                                        : (has_min ? dequantized<8, true>(w, N, K)
+                                                   : dequantized<8, false>(w, N, K));
+    out = at::linear(xf, weight);
+#ifdef PAGEDLLM_QUANT_VNNI
+  } else if (bits == 4) {
+    has_min ? matmul_vnni<4, true>(xf, w, out) : matmul_vnni<4, false>(xf, w, out);
+  } else {
+    has_min ? matmul_vnni<8, true>(xf, w, out) : matmul_vnni<8, false>(xf, w, out);
+  }
+#else
+  } else if (bits == 4) {
+    has_min ? matmul<4, true>(xf, w, out) : matmul<4, false>(xf, w, out);
+  } else {
+    has_min ? matmul<8, true>(xf, w, out) : matmul<8, false>(xf, w, out);
+  }
+#endif
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def(
+      "quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
+      "int group_size) -> Tensor");
+  m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);
+}
