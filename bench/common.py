@@ -194,6 +194,9 @@ def make_workload(
 
 # What --dtype offers in the benchmarks: the same for every engine in a run.
 DTYPE_CHOICES = ("float32", "bfloat16")
+# The float benchmarks serve a quantized GGUF model (SmolLM2) de-quantized into the dtype, as
+# the peers get it; bench/quantized.py measures the weights kept quantized.
+QUANTIZATION = "none"
 
 
 def kv_bytes_per_token(model_dir: Path, dtype: str = "float32") -> int:

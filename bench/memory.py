@@ -51,6 +51,7 @@ def make_llm(model_dir: Path, kv_tokens: int, max_model_len: int, **kwargs: Any)
     return LLM(
         model=str(model_dir),
         dtype="float32",
+        quantization=common.QUANTIZATION,
         block_size=16,
         kv_cache_memory=kv_tokens * common.kv_bytes_per_token(model_dir),
         max_model_len=max_model_len,

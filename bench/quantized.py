@@ -85,7 +85,13 @@ def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[st
         "pagedllm": serving.Server(
             "pagedllm",
             serving.pagedllm_serve_command(
-                model, args.port, "float32", args.kv_cache_memory, max_len, *common_flags
+                model,
+                args.port,
+                "float32",
+                args.kv_cache_memory,
+                max_len,
+                *common_flags,
+                quantization="gguf",
             ),
             env,
             args.port,
@@ -100,8 +106,7 @@ def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[st
                 args.kv_cache_memory,
                 max_len,
                 *common_flags,
-                "--quantization",
-                "none",
+                quantization="none",
             ),
             env,
             args.port + 1,

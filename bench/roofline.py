@@ -166,6 +166,7 @@ def engine_decode_step(
     llm = LLM(
         model=str(model_dir),
         dtype=dtype,
+        quantization=common.QUANTIZATION,
         max_num_seqs=batch,
         max_model_len=context + steps + 64,
         enable_prefix_caching=False,

@@ -113,7 +113,13 @@ def thread_env(threads: int) -> dict[str, str]:
 
 
 def pagedllm_serve_command(
-    model: str, port: int, dtype: str, kv_cache_memory: int, max_model_len: int, *more: str
+    model: str,
+    port: int,
+    dtype: str,
+    kv_cache_memory: int,
+    max_model_len: int,
+    *more: str,
+    quantization: str = common.QUANTIZATION,
 ) -> list[str]:
     """``pagedllm serve`` on loopback with the benchmarks' settings, and ``more`` flags."""
     return [
@@ -127,6 +133,8 @@ def pagedllm_serve_command(
         str(port),
         "--dtype",
         dtype,
+        "--quantization",
+        quantization,
         "--kv-cache-memory",
         str(kv_cache_memory),
         "--max-model-len",

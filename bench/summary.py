@@ -27,6 +27,7 @@ ORDER = (
     "structured",
     "fleet",
     "soak",
+    "quantized",
 )
 HEADER = (
     "| result | target | measured | met | when, machine, load at start |\n|---|---|---|---|---|"

@@ -29,6 +29,7 @@ matmul roofline (``bench/roofline.py``) at the engine's mean decode batch.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import subprocess
@@ -43,6 +44,8 @@ import torch
 from serving import DEFAULT_VLLM_VENV
 
 ENGINES = ("pagedllm", "vllm", "hf-generate", "hf-generate-batch")
+# On request only (--engines): PagedLLM with every linear layer's weight in int8 groups.
+EXTRA_ENGINES = ("pagedllm-int8",)
 TARGET_VS_GENERATE = 2.0
 TARGET_VS_GENERATE_BATCH = 3.0
 TARGET_VS_VLLM = 1.2
@@ -53,13 +56,19 @@ def longest_sequence(workload: common.Workload) -> int:
     return max(len(p) for p in workload.prompts) + max(workload.output_lens)
 
 
-def run_pagedllm(model_dir: Path, workload: common.Workload, args: argparse.Namespace) -> dict:
+def run_pagedllm(
+    model_dir: Path,
+    workload: common.Workload,
+    args: argparse.Namespace,
+    quantization: str = common.QUANTIZATION,
+) -> dict:
     from pagedllm import LLM, SamplingParams
 
     max_len = longest_sequence(workload)
     llm = LLM(
         model=str(model_dir),
         dtype=args.dtype,
+        quantization=quantization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_tokens * common.kv_bytes_per_token(model_dir, args.dtype),
@@ -247,6 +256,7 @@ RUNNERS: dict[str, Callable[[Path, common.Workload, argparse.Namespace], dict]] 
     "vllm": run_vllm,
     "hf-generate": run_hf_generate,
     "hf-generate-batch": run_hf_generate_batch,
+    "pagedllm-int8": functools.partial(run_pagedllm, quantization="int8"),
 }
 
 
@@ -328,9 +338,9 @@ def main() -> None:
     args = parser.parse_args()
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = sorted(set(engines) - set(ENGINES))
+    unknown = sorted(set(engines) - set(ENGINES) - set(EXTRA_ENGINES))
     if unknown:
-        parser.error(f"unknown engines {unknown}; known: {list(ENGINES)}")
+        parser.error(f"unknown engines {unknown}; known: {list(ENGINES + EXTRA_ENGINES)}")
     common.set_threads(args.threads)
     common.warn_if_busy()
     model_dir = common.resolve_model(args.model)

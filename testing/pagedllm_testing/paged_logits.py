@@ -175,13 +175,19 @@ def assert_logits_match(ours: list[torch.Tensor], theirs: list[torch.Tensor]) ->
         assert (ours_seq - theirs_seq).abs().max().item() < TOLERANCE
 
 
-def tensor_parallel_worker(rank: int, world_size: int, port: int, model_dir: Path) -> None:
+def tensor_parallel_worker(
+    rank: int, world_size: int, port: int, model_dir: Path, model_file: Path | None = None
+) -> None:
+    """Rank ``rank``'s logits of ``model_file`` (default: the model in ``model_dir``), saved in
+    ``model_dir``."""
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
         torch.set_num_threads(1)
-        model, _ = load_model(model_dir, ops=reference, tp_rank=rank, tp_size=world_size)
+        model, _ = load_model(
+            model_file or model_dir, ops=reference, tp_rank=rank, tp_size=world_size
+        )
         logits = paged_logits(model, token_sequences(), block_size=4)
         torch.save(logits, model_dir / f"logits-rank{rank}.pt")
     finally:

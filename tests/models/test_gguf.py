@@ -15,11 +15,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.integrations.gguf import dequant as hf_dequant
 
+from pagedllm.kernels import reference
 from pagedllm.models import ModelLoadError, cpu_linear, loader
 from pagedllm.models.config import read_model_config
 from pagedllm.models.gguf import SUPPORTED_TENSOR_TYPES, GGUFFile, find_gguf_file
@@ -33,8 +35,10 @@ from pagedllm_testing.paged_logits import (
     assert_logits_match,
     hf_logits,
     paged_logits,
+    tensor_parallel_worker,
     token_sequences,
 )
+from pagedllm_testing.serve_harness import free_port
 from pagedllm_testing.tiny_models import save_engine_model, save_hf_model
 
 # Four query heads over two KV heads, an untied head (output.weight), a vocabulary the demo
@@ -340,3 +344,25 @@ def test_int8_matches_a_model_with_the_same_dequantized_weights(tiny_dir):
     ):
         assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
         assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9
+
+
+def test_tensor_parallel_ranks_split_quantized_weights_on_group_boundaries(tmp_path):
+    save_hf_model(tmp_path / "hf", CASES["llama-gqa"])
+    path = write_gguf(tmp_path / "hf", tmp_path / "tiny.gguf", Q.Q4_1, tokenizer=False)
+    single, _ = load_model(path, ops=reference)
+    assert single.model.layers[0].mlp.down_proj.quantized is not None
+    expected = paged_logits(single, token_sequences(), 4)
+    mp.spawn(tensor_parallel_worker, args=(2, free_port(), tmp_path, path), nprocs=2, join=True)
+    for rank in range(2):
+        assert_logits_match(torch.load(tmp_path / f"logits-rank{rank}.pt"), expected)
+
+
+def test_on_cuda_quantized_weights_are_dequantized_at_load(tiny_dir, tmp_path):
+    path = write_gguf(tiny_dir, tmp_path / "tiny.gguf", Q.Q8_0)
+    config = read_model_config(path)
+    cuda = torch.device("cuda")
+    # The quantized kernels are the CPU's: on a GPU every scheme serves the dtype's weights.
+    assert loader.resolve_quantization(None, config, torch.device("cpu")) == "gguf"
+    assert loader.resolve_quantization(None, config, cuda) == "none"
+    assert loader.resolve_quantization("int8", config, cuda) == "none"
+    assert loader.resolve_quantization(None, read_model_config(tiny_dir), cuda) == "none"
