@@ -238,24 +238,17 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// The scales and effective minimums of features n0 .. n0 + NT as floats, [NT][groups] each
-// (float16 is converted once per tile, not once per use).
-template <int BITS, int NT, bool HAS_MIN>
-void tile_scales(const Weight& w, int64_t n0, float* scales, float* mins) {
-  for (int j = 0; j < NT; ++j) {
-    const at::Half* s = w.scale + (n0 + j) * w.groups;
-    const at::Half* m = HAS_MIN ? w.min + (n0 + j) * w.groups : nullptr;
-    for (int64_t g = 0; g < w.groups; ++g) {
-      const float sg = half_to_float(s[g]);
-      scales[j * w.groups + g] = sg;
-      mins[j * w.groups + g] = (HAS_MIN ? half_to_float(m[g]) : 0.f) - (BITS == 8 ? 128.f * sg : 0.f);
-    }
-  }
+// A group's scale and effective minimum, from float16 (converted where used: a buffer of
+// converted scales per tile cost as much as the products at a few rows).
+template <int BITS, bool HAS_MIN>
+inline void group_scale(const Weight& w, int64_t at, float& scale, float& min) {
+  scale = half_to_float(w.scale[at]);
+  min = (HAS_MIN ? half_to_float(w.min[at]) : 0.f) - (BITS == 8 ? 128.f * scale : 0.f);
 }
 
-template <int BITS, int MT, int NT, bool HALVES>
-void tile_vnni(const QuantizedRows& x, int64_t m0, const Weight& w, const float* scales,
-               const float* mins, int64_t n0, int64_t K, float* out, int64_t out_stride) {
+template <int BITS, int MT, int NT, bool HALVES, bool HAS_MIN>
+void tile_vnni(const QuantizedRows& x, int64_t m0, const Weight& w, int64_t n0, int64_t K,
+               float* out, int64_t out_stride) {
   const int8_t* xq = x.q.data_ptr<int8_t>() + m0 * K;
   const float* xs = x.scale.data_ptr<float>() + m0 * (K / 32);
   const float* xh = x.quarter.data_ptr<float>() + m0 * (K / 16);
@@ -278,14 +271,18 @@ void tile_vnni(const QuantizedRows& x, int64_t m0, const Weight& w, const float*
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c * 32));
         wv[j] = _mm256_xor_si256(b, _mm256_set1_epi8(char(0x80)));
       }
+      const int64_t row_groups = (n0 + j) * w.groups;
       if constexpr (HALVES) {  // groups of 16: two per 32 values
-        const float* sg = scales + j * w.groups + 2 * c;
-        const float* mg = mins + j * w.groups + 2 * c;
-        sv[j] = halves(sg[0], sg[1]);
-        mv[j] = halves(mg[0], mg[1]);
+        float s0, m0_, s1, m1;
+        group_scale<BITS, HAS_MIN>(w, row_groups + 2 * c, s0, m0_);
+        group_scale<BITS, HAS_MIN>(w, row_groups + 2 * c + 1, s1, m1);
+        sv[j] = halves(s0, s1);
+        mv[j] = halves(m0_, m1);
       } else {
-        sv[j] = _mm256_broadcast_ss(scales + j * w.groups + c);
-        mv[j] = _mm256_broadcast_ss(mins + j * w.groups + c);
+        float sg, mg;
+        group_scale<BITS, HAS_MIN>(w, row_groups + c, sg, mg);
+        sv[j] = _mm256_set1_ps(sg);
+        mv[j] = _mm256_set1_ps(mg);
       }
     }
     for (int i = 0; i < MT; ++i) {
@@ -303,15 +300,14 @@ void tile_vnni(const QuantizedRows& x, int64_t m0, const Weight& w, const float*
     for (int j = 0; j < NT; ++j) out[i * out_stride + n0 + j] = hsum8(acc[i][j]);
 }
 
-template <int BITS, int NT, bool HALVES>
-void tile_vnni_rows(int rows, const QuantizedRows& x, int64_t m0, const Weight& w,
-                    const float* scales, const float* mins, int64_t n0, int64_t K, float* out,
-                    int64_t out_stride) {
+template <int BITS, int NT, bool HALVES, bool HAS_MIN>
+void tile_vnni_rows(int rows, const QuantizedRows& x, int64_t m0, const Weight& w, int64_t n0,
+                    int64_t K, float* out, int64_t out_stride) {
   switch (rows) {
-    case 1: return tile_vnni<BITS, 1, NT, HALVES>(x, m0, w, scales, mins, n0, K, out, out_stride);
-    case 2: return tile_vnni<BITS, 2, NT, HALVES>(x, m0, w, scales, mins, n0, K, out, out_stride);
-    case 3: return tile_vnni<BITS, 3, NT, HALVES>(x, m0, w, scales, mins, n0, K, out, out_stride);
-    default: return tile_vnni<BITS, 4, NT, HALVES>(x, m0, w, scales, mins, n0, K, out, out_stride);
+    case 1: return tile_vnni<BITS, 1, NT, HALVES, HAS_MIN>(x, m0, w, n0, K, out, out_stride);
+    case 2: return tile_vnni<BITS, 2, NT, HALVES, HAS_MIN>(x, m0, w, n0, K, out, out_stride);
+    case 3: return tile_vnni<BITS, 3, NT, HALVES, HAS_MIN>(x, m0, w, n0, K, out, out_stride);
+    default: return tile_vnni<BITS, 4, NT, HALVES, HAS_MIN>(x, m0, w, n0, K, out, out_stride);
   }
 }
 
@@ -325,25 +321,19 @@ void matmul_vnni(const at::Tensor& xf, const Weight& w, at::Tensor& out) {
   const int64_t grain = std::max<int64_t>(1, 65536 / (K * M * kCols));
   const bool halves = w.group == 16;
   at::parallel_for(0, col_tiles, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scales(kCols * w.groups), mins(kCols * w.groups);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kCols;
-      const bool whole = n0 + kCols <= N;
-      if (whole) {
-        tile_scales<BITS, kCols, HAS_MIN>(w, n0, scales.data(), mins.data());
-      }
       for (int64_t m0 = 0; m0 < M; m0 += kRows) {
         const int rows = int(std::min<int64_t>(kRows, M - m0));
         float* orow = op + m0 * N;
-        if (whole) {
-          (halves ? tile_vnni_rows<BITS, kCols, true> : tile_vnni_rows<BITS, kCols, false>)(
-              rows, x, m0, w, scales.data(), mins.data(), n0, K, orow, N);
+        if (n0 + kCols <= N) {
+          (halves ? tile_vnni_rows<BITS, kCols, true, HAS_MIN>
+                  : tile_vnni_rows<BITS, kCols, false, HAS_MIN>)(rows, x, m0, w, n0, K, orow, N);
           continue;
         }
         for (int64_t n = n0; n < N; ++n) {
-          tile_scales<BITS, 1, HAS_MIN>(w, n, scales.data(), mins.data());
-          (halves ? tile_vnni_rows<BITS, 1, true> : tile_vnni_rows<BITS, 1, false>)(
-              rows, x, m0, w, scales.data(), mins.data(), n, K, orow, N);
+          (halves ? tile_vnni_rows<BITS, 1, true, HAS_MIN>
+                  : tile_vnni_rows<BITS, 1, false, HAS_MIN>)(rows, x, m0, w, n, K, orow, N);
         }
       }
     }
