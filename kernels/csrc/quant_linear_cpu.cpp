@@ -311,6 +311,114 @@ void tile_vnni_rows(int rows, const QuantizedRows& x, int64_t m0, const Weight& 
   }
 }
 
+// Groups of 32 with K a multiple of 64: two groups a step in 512-bit registers, which halves
+// the instructions per product of the 256-bit tiles above (a single stream is bound by them,
+// not by memory). A 4-bit weight's 32 bytes for two groups, their low nibbles then their high
+// nibbles side by side, hold 16-value quarters 0, 2, 1, 3 of the 64 values; int8 weights are
+// shuffled into the same order, and the rows are permuted into it once per call. A lane's group
+// is then (lane / 4) % 2, so a pair of float16 scales spreads over the lanes with one byte
+// shuffle. Minimums (and int8's -128 * scale) multiply each group's row sum after the products,
+// 16 groups a vector.
+struct Rows64 {
+  at::Tensor q;       // int8 [M, K]: each 64 values' quarters in the order 0, 2, 1, 3
+  at::Tensor lane_d;  // float [M, K / 64, 16]: each lane's row scale
+  at::Tensor sums;    // float [M, K / 32]: each group's sum of de-quantized row values
+};
+
+constexpr int kQuarterOrder[4] = {0, 2, 1, 3};
+
+Rows64 to_rows64(const QuantizedRows& r, int64_t M, int64_t K) {
+  Rows64 out{at::empty({M, K}, at::kChar), at::empty({M, K / 64, 16}, at::kFloat),
+             at::empty({M, K / 32}, at::kFloat)};
+  const int8_t* q = r.q.data_ptr<int8_t>();
+  const float* scale = r.scale.data_ptr<float>();
+  const float* quarter = r.quarter.data_ptr<float>();
+  int8_t* q64 = out.q.data_ptr<int8_t>();
+  float* lane_d = out.lane_d.data_ptr<float>();
+  float* sums = out.sums.data_ptr<float>();
+  for (int64_t b = 0; b < M * K / 64; ++b) {  // rows are contiguous: block b of the matrix
+    for (int part = 0; part < 4; ++part)
+      std::memcpy(q64 + b * 64 + part * 16, q + b * 64 + kQuarterOrder[part] * 16, 16);
+    for (int lane = 0; lane < 16; ++lane) lane_d[b * 16 + lane] = scale[b * 2 + (lane / 4) % 2];
+  }
+  for (int64_t g = 0; g < M * K / 32; ++g) sums[g] = 4.f * (quarter[2 * g] + quarter[2 * g + 1]);
+  return out;
+}
+
+template <int BITS, int MT, int NT, bool HAS_MIN>
+void tile_vnni64(const Rows64& x, int64_t m0, const Weight& w, int64_t n0, int64_t K,
+                 float* out, int64_t out_stride) {
+  const int64_t blocks = K / 64, groups = K / 32;
+  const int8_t* xq = x.q.data_ptr<int8_t>() + m0 * K;
+  const float* xd = x.lane_d.data_ptr<float>() + m0 * blocks * 16;
+  const float* xsum = x.sums.data_ptr<float>() + m0 * groups;
+  // float16 elements 0-3 and 8-11 take the first scale of a pair, 4-7 and 12-15 the second.
+  const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
+                                          0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3);
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i wv[NT];
+    __m512 sv[NT];
+    for (int j = 0; j < NT; ++j) {
+      const uint8_t* p = w.q + (n0 + j) * w.q_row;
+      _mm_prefetch(reinterpret_cast<const char*>(p + (b + 4) * BITS * 8), _MM_HINT_T0);
+      if constexpr (BITS == 4) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b * 32));
+        const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(15));
+        wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+      } else {
+        const __m512i bytes = _mm512_loadu_si512(p + b * 64);
+        wv[j] = _mm512_xor_si512(_mm512_shuffle_i64x2(bytes, bytes, _MM_SHUFFLE(3, 1, 2, 0)),
+                                 _mm512_set1_epi8(char(0x80)));
+      }
+      int32_t pair;
+      std::memcpy(&pair, w.scale + (n0 + j) * groups + 2 * b, sizeof(pair));
+      sv[j] = _mm512_cvtph_ps(_mm256_shuffle_epi8(_mm256_set1_epi32(pair), spread));
+    }
+    for (int i = 0; i < MT; ++i) {
+      const __m512i q = _mm512_loadu_si512(xq + i * K + b * 64);
+      const __m512 d = _mm512_loadu_ps(xd + (i * blocks + b) * 16);
+      for (int j = 0; j < NT; ++j) {
+        const __m512i prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], q);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), _mm512_mul_ps(sv[j], d), acc[i][j]);
+      }
+    }
+  }
+  if constexpr (HAS_MIN || BITS == 8) {
+    for (int64_t g = 0; g < groups; g += 16) {
+      const __mmask16 mask = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
+      __m512 xs[MT];
+      for (int i = 0; i < MT; ++i) xs[i] = _mm512_maskz_loadu_ps(mask, xsum + i * groups + g);
+      for (int j = 0; j < NT; ++j) {
+        const int64_t at = (n0 + j) * groups + g;
+        __m512 eff = _mm512_setzero_ps();
+        if constexpr (HAS_MIN) eff = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.min + at));
+        if constexpr (BITS == 8) {
+          const __m512 sg = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.scale + at));
+          eff = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), sg, eff);
+        }
+        for (int i = 0; i < MT; ++i) acc[i][j] = _mm512_fmadd_ps(eff, xs[i], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) out[i * out_stride + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int BITS, int NT, bool HAS_MIN>
+void tile_vnni64_rows(int rows, const Rows64& x, int64_t m0, const Weight& w, int64_t n0,
+                      int64_t K, float* out, int64_t out_stride) {
+  switch (rows) {
+    case 1: return tile_vnni64<BITS, 1, NT, HAS_MIN>(x, m0, w, n0, K, out, out_stride);
+    case 2: return tile_vnni64<BITS, 2, NT, HAS_MIN>(x, m0, w, n0, K, out, out_stride);
+    case 3: return tile_vnni64<BITS, 3, NT, HAS_MIN>(x, m0, w, n0, K, out, out_stride);
+    default: return tile_vnni64<BITS, 4, NT, HAS_MIN>(x, m0, w, n0, K, out, out_stride);
+  }
+}
+
 template <int BITS, bool HAS_MIN>
 void matmul_vnni(const at::Tensor& xf, const Weight& w, at::Tensor& out) {
   const int64_t M = xf.size(0), K = xf.size(1), N = out.size(1);
@@ -319,22 +427,32 @@ void matmul_vnni(const at::Tensor& xf, const Weight& w, at::Tensor& out) {
   constexpr int kRows = 4, kCols = 4;
   const int64_t col_tiles = (N + kCols - 1) / kCols;
   const int64_t grain = std::max<int64_t>(1, 65536 / (K * M * kCols));
-  const bool halves = w.group == 16;
+  const bool halves = w.group == 16, wide = !halves && K % 64 == 0;
+  const Rows64 x64 = wide ? to_rows64(x, M, K) : Rows64{};
+  // One tile: rows m0.. of features n0.. (kCols of them, or one at the matrix's edge).
+  auto tile = [&](int rows, int64_t m0, int64_t n0, bool whole) {
+    float* orow = op + m0 * N;
+    if (wide) {
+      (whole ? tile_vnni64_rows<BITS, kCols, HAS_MIN> : tile_vnni64_rows<BITS, 1, HAS_MIN>)(
+          rows, x64, m0, w, n0, K, orow, N);
+    } else if (halves) {
+      (whole ? tile_vnni_rows<BITS, kCols, true, HAS_MIN> : tile_vnni_rows<BITS, 1, true, HAS_MIN>)(
+          rows, x, m0, w, n0, K, orow, N);
+    } else {
+      (whole ? tile_vnni_rows<BITS, kCols, false, HAS_MIN>
+             : tile_vnni_rows<BITS, 1, false, HAS_MIN>)(rows, x, m0, w, n0, K, orow, N);
+    }
+  };
   at::parallel_for(0, col_tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kCols;
       for (int64_t m0 = 0; m0 < M; m0 += kRows) {
         const int rows = int(std::min<int64_t>(kRows, M - m0));
-        float* orow = op + m0 * N;
         if (n0 + kCols <= N) {
-          (halves ? tile_vnni_rows<BITS, kCols, true, HAS_MIN>
-                  : tile_vnni_rows<BITS, kCols, false, HAS_MIN>)(rows, x, m0, w, n0, K, orow, N);
+          tile(rows, m0, n0, true);
           continue;
         }
-        for (int64_t n = n0; n < N; ++n) {
-          (halves ? tile_vnni_rows<BITS, 1, true, HAS_MIN>
-                  : tile_vnni_rows<BITS, 1, false, HAS_MIN>)(rows, x, m0, w, n, K, orow, N);
-        }
+        for (int64_t n = n0; n < N; ++n) tile(rows, m0, n, false);
       }
     }
   });
