@@ -102,6 +102,8 @@ def quant_linear(
     """As :func:`pagedllm.kernels.quant_linear.quant_linear`."""
     if not cpu_extension.load():
         return quant_reference.quant_linear(x, qweight, scales, mins, bits, group_size)
+    if x.dim() == 2:  # the engine's tokens; a decode step makes 4 calls a layer
+        return torch.ops.pagedllm_cpu.quant_linear(x, qweight, scales, mins, bits, group_size)
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.pagedllm_cpu.quant_linear(rows, qweight, scales, mins, bits, group_size)
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -195,20 +195,39 @@ void matmul(const at::Tensor& x, const Weight& w, at::Tensor& out) {
 // weight's bytes are the unsigned operand: 4-bit values as they are, int8 values offset by 128
 // (the offset taken back through the minimum, -128 * scale). Minimums multiply the row's sums,
 // spread over the lanes of its 16-value halves so that the lanes' total adds them.
-struct QuantizedRows {
-  at::Tensor q;       // int8 [M, K]
-  at::Tensor scale;   // float [M, K / 32]
-  at::Tensor quarter; // float [M, K / 16]: the sum of each 16 de-quantized values, over 4
+// Scratch arrays of one call in one allocation (a decode step makes 121 calls on SmolLM2, and
+// each allocation cost about as much as a small matmul's products).
+struct Scratch {
+  at::Tensor storage;
+  uint8_t* next;
+
+  explicit Scratch(int64_t bytes)
+      : storage(at::empty({bytes}, at::kByte)), next(storage.data_ptr<uint8_t>()) {}
+  template <typename T>
+  T* take(int64_t count) {  // 64-byte aligned within the storage
+    T* out = reinterpret_cast<T*>(next);
+    next += (count * int64_t(sizeof(T)) + 63) / 64 * 64;
+    return out;
+  }
 };
 
-QuantizedRows quantize_rows(const at::Tensor& x) {
+struct QuantizedRows {
+  int8_t* q;       // [M, K]
+  float* scale;    // [M, K / 32]
+  float* quarter;  // [M, K / 16]: the sum of each 16 de-quantized values, over 4
+};
+
+// Bytes of the row arrays for M rows of K values: both layouts, with room for alignment.
+int64_t rows_bytes(int64_t M, int64_t K) { return 2 * M * K + 4 * M * K / 2 + 6 * 64; }
+
+QuantizedRows quantize_rows(const at::Tensor& x, Scratch& scratch) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32;
-  QuantizedRows r{at::empty({M, K}, at::kChar), at::empty({M, groups}, at::kFloat),
-                  at::empty({M, K / 16}, at::kFloat)};
+  QuantizedRows r{scratch.take<int8_t>(M * K), scratch.take<float>(M * groups),
+                  scratch.take<float>(M * K / 16)};
   const float* xp = x.data_ptr<float>();
-  int8_t* qp = r.q.data_ptr<int8_t>();
-  float* sp = r.scale.data_ptr<float>();
-  float* hp = r.quarter.data_ptr<float>();
+  int8_t* qp = r.q;
+  float* sp = r.scale;
+  float* hp = r.quarter;
   at::parallel_for(0, M * groups, std::max<int64_t>(1, 2048 / 32), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const float* src = xp + i * 32;  // rows are contiguous: group i of the whole matrix
@@ -249,9 +268,9 @@ inline void group_scale(const Weight& w, int64_t at, float& scale, float& min) {
 template <int BITS, int MT, int NT, bool HALVES, bool HAS_MIN>
 void tile_vnni(const QuantizedRows& x, int64_t m0, const Weight& w, int64_t n0, int64_t K,
                float* out, int64_t out_stride) {
-  const int8_t* xq = x.q.data_ptr<int8_t>() + m0 * K;
-  const float* xs = x.scale.data_ptr<float>() + m0 * (K / 32);
-  const float* xh = x.quarter.data_ptr<float>() + m0 * (K / 16);
+  const int8_t* xq = x.q + m0 * K;
+  const float* xs = x.scale + m0 * (K / 32);
+  const float* xh = x.quarter + m0 * (K / 16);
   __m256 acc[MT][NT];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -320,22 +339,22 @@ void tile_vnni_rows(int rows, const QuantizedRows& x, int64_t m0, const Weight& 
 // shuffle. Minimums (and int8's -128 * scale) multiply each group's row sum after the products,
 // 16 groups a vector.
 struct Rows64 {
-  at::Tensor q;       // int8 [M, K]: each 64 values' quarters in the order 0, 2, 1, 3
-  at::Tensor lane_d;  // float [M, K / 64, 16]: each lane's row scale
-  at::Tensor sums;    // float [M, K / 32]: each group's sum of de-quantized row values
+  int8_t* q;      // [M, K]: each 64 values' quarters in the order 0, 2, 1, 3
+  float* lane_d;  // [M, K / 64, 16]: each lane's row scale
+  float* sums;    // [M, K / 32]: each group's sum of de-quantized row values
 };
 
 constexpr int kQuarterOrder[4] = {0, 2, 1, 3};
 
-Rows64 to_rows64(const QuantizedRows& r, int64_t M, int64_t K) {
-  Rows64 out{at::empty({M, K}, at::kChar), at::empty({M, K / 64, 16}, at::kFloat),
-             at::empty({M, K / 32}, at::kFloat)};
-  const int8_t* q = r.q.data_ptr<int8_t>();
-  const float* scale = r.scale.data_ptr<float>();
-  const float* quarter = r.quarter.data_ptr<float>();
-  int8_t* q64 = out.q.data_ptr<int8_t>();
-  float* lane_d = out.lane_d.data_ptr<float>();
-  float* sums = out.sums.data_ptr<float>();
+Rows64 to_rows64(const QuantizedRows& r, int64_t M, int64_t K, Scratch& scratch) {
+  Rows64 out{scratch.take<int8_t>(M * K), scratch.take<float>(M * K / 4),
+             scratch.take<float>(M * K / 32)};
+  const int8_t* q = r.q;
+  const float* scale = r.scale;
+  const float* quarter = r.quarter;
+  int8_t* q64 = out.q;
+  float* lane_d = out.lane_d;
+  float* sums = out.sums;
   for (int64_t b = 0; b < M * K / 64; ++b) {  // rows are contiguous: block b of the matrix
     for (int part = 0; part < 4; ++part)
       std::memcpy(q64 + b * 64 + part * 16, q + b * 64 + kQuarterOrder[part] * 16, 16);
@@ -349,9 +368,9 @@ template <int BITS, int MT, int NT, bool HAS_MIN>
 void tile_vnni64(const Rows64& x, int64_t m0, const Weight& w, int64_t n0, int64_t K,
                  float* out, int64_t out_stride) {
   const int64_t blocks = K / 64, groups = K / 32;
-  const int8_t* xq = x.q.data_ptr<int8_t>() + m0 * K;
-  const float* xd = x.lane_d.data_ptr<float>() + m0 * blocks * 16;
-  const float* xsum = x.sums.data_ptr<float>() + m0 * groups;
+  const int8_t* xq = x.q + m0 * K;
+  const float* xd = x.lane_d + m0 * blocks * 16;
+  const float* xsum = x.sums + m0 * groups;
   // float16 elements 0-3 and 8-11 take the first scale of a pair, 4-7 and 12-15 the second.
   const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
                                           0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3);
@@ -422,13 +441,14 @@ void tile_vnni64_rows(int rows, const Rows64& x, int64_t m0, const Weight& w, in
 template <int BITS, bool HAS_MIN>
 void matmul_vnni(const at::Tensor& xf, const Weight& w, at::Tensor& out) {
   const int64_t M = xf.size(0), K = xf.size(1), N = out.size(1);
-  const QuantizedRows x = quantize_rows(xf);
+  Scratch scratch(rows_bytes(M, K));
+  const QuantizedRows x = quantize_rows(xf, scratch);
   float* op = out.data_ptr<float>();
   constexpr int kRows = 4, kCols = 4;
   const int64_t col_tiles = (N + kCols - 1) / kCols;
   const int64_t grain = std::max<int64_t>(1, 65536 / (K * M * kCols));
   const bool halves = w.group == 16, wide = !halves && K % 64 == 0;
-  const Rows64 x64 = wide ? to_rows64(x, M, K) : Rows64{};
+  const Rows64 x64 = wide ? to_rows64(x, M, K, scratch) : Rows64{};
   // One tile: rows m0.. of features n0.. (kCols of them, or one at the matrix's edge).
   auto tile = [&](int rows, int64_t m0, int64_t n0, bool whole) {
     float* orow = op + m0 * N;
