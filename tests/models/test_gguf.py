@@ -335,8 +335,17 @@ BENCH_LAYERS = LlamaConfig(
 )
 
 
-@pytest.mark.parametrize("config", [TINY, BENCH_LAYERS], ids=["tiny", "benchmark-layers"])
-def test_int8_matches_a_model_with_the_same_dequantized_weights(config, tmp_path):
+# Bounds per model: the largest error as a share of the largest logit, and the share of
+# positions whose argmax agrees (random weights at the benchmark's width spread the rows'
+# rounding further).
+@pytest.mark.parametrize(
+    "config,largest_error,agreement",
+    [(TINY, 0.05, 0.9), (BENCH_LAYERS, 0.1, 0.8)],
+    ids=["tiny", "benchmark-layers"],
+)
+def test_int8_matches_a_model_with_the_same_dequantized_weights(
+    config, largest_error, agreement, tmp_path
+):
     save_engine_model(tmp_path, config)
     quantized, _ = load_model(tmp_path, dtype="float32", quantization="int8")
     reference, _ = load_model(tmp_path, dtype="float32")
@@ -357,8 +366,9 @@ def test_int8_matches_a_model_with_the_same_dequantized_weights(config, tmp_path
         # The weights are the same: what differs is the rows' rounding to int8 groups in the
         # kernel (a few percent of the logits on random weights; SmolLM2's quality is
         # bench/quantized.py's).
+        assert (ours - theirs).abs().max() < largest_error * theirs.abs().max()
         assert (ours - theirs).norm() < 0.06 * theirs.norm()
-        assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.8
+        assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > agreement
 
 
 def test_tensor_parallel_ranks_split_quantized_weights_on_group_boundaries(tmp_path):
