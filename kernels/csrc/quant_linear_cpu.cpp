@@ -479,17 +479,17 @@ void matmul_vnni(const at::Tensor& xf, const Weight& w, at::Tensor& out) {
 }
 #endif
 
-// The weight de-quantized to float32 [N, K]: for many rows a matmul is bound by compute, and a
-// float GEMM (oneDNN's, through at::matmul) over a de-quantized copy beats de-quantizing each
+// The weight de-quantized to T [N, K]: for many rows a matmul is bound by compute, and a
+// float GEMM (oneDNN's, through at::linear) over a de-quantized copy beats de-quantizing each
 // vector once per tile of rows.
-template <int BITS, bool HAS_MIN>
+template <int BITS, bool HAS_MIN, typename T>
 at::Tensor dequantized(const Weight& w, int64_t N, int64_t K) {
-  at::Tensor out = at::empty({N, K}, at::kFloat);
-  float* op = out.data_ptr<float>();
+  at::Tensor out = at::empty({N, K}, c10::CppTypeToScalarType<T>::value);
+  T* op = out.data_ptr<T>();
   const int G = w.group;
   at::parallel_for(0, N, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      float* row = op + n * K;
+      T* row = op + n * K;
       for (int64_t g = 0; g < w.groups; ++g) {
         const vfloat s = splat(half_to_float(w.scale[n * w.groups + g]));
         const vfloat m = HAS_MIN ? splat(half_to_float(w.min[n * w.groups + g])) : vfloat{};
@@ -510,13 +510,27 @@ at::Tensor dequantized(const Weight& w, int64_t N, int64_t K) {
   return out;
 }
 
-// From this many rows on, a matmul runs as a float GEMM over the de-quantized weight (the
-// integer products keep up with it longer).
-#ifdef PAGEDLLM_QUANT_VNNI
+// From this many rows on (prompts), a matmul runs as a GEMM over the de-quantized weight. With
+// AVX-512 BF16 that GEMM is in bfloat16 (oneDNN's products at twice float32's rate: 2,048 rows
+// of 576 -> 1,536 in 8.7 ms against 19.4; level with the integer products at 32 rows), the rows rounded to bfloat16 as the VNNI path
+// rounds them to int8 groups; without it in float32, and the integer products keep up with it
+// longer.
+#if defined(__AVX512BF16__)
+using GemmType = c10::BFloat16;
+constexpr int64_t kGemmRows = 48;
+#elif defined(PAGEDLLM_QUANT_VNNI)
+using GemmType = float;
 constexpr int64_t kGemmRows = 128;
 #else
+using GemmType = float;
 constexpr int64_t kGemmRows = 32;
 #endif
+
+template <int BITS, bool HAS_MIN>
+at::Tensor gemm(const at::Tensor& x, const Weight& w, int64_t N) {
+  const at::Tensor weight = dequantized<BITS, HAS_MIN, GemmType>(w, N, x.size(1));
+  return at::linear(x.to(weight.scalar_type()), weight).to(at::kFloat);
+}
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group_size) {
@@ -541,34 +555,34 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const bool has_min = mins.has_value();
   if (has_min) check_groups(*mins, "mins");
 
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
-  if (x.size(0) == 0 || N == 0) return out.to(x.scalar_type());
+  if (x.size(0) == 0 || N == 0) return at::empty({x.size(0), N}, x.options());
   const Weight w{static_cast<const uint8_t*>(qweight.data_ptr()),  // int8 read as bytes
                  scales.data_ptr<at::Half>(),
                  has_min ? mins->data_ptr<at::Half>() : nullptr,
                  qweight.size(1),
                  groups,
                  int(group_size)};
+  at::Tensor out;
   if (x.size(0) >= kGemmRows) {
-    const at::Tensor weight = bits == 4 ? (has_min ? dequantized<4, true>(w, N, K)
-                                                   : dequantized<4, false>(w, N, K))
-                                        : (has_min ? dequantized<8, true>(w, N, K)
-                                                   : dequantized<8, false>(w, N, K));
-    out = at::linear(xf, weight);
+    out = bits == 4 ? (has_min ? gemm<4, true>(x, w, N) : gemm<4, false>(x, w, N))
+                    : (has_min ? gemm<8, true>(x, w, N) : gemm<8, false>(x, w, N));
+  } else {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    out = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
 #ifdef PAGEDLLM_QUANT_VNNI
-  } else if (bits == 4) {
-    has_min ? matmul_vnni<4, true>(xf, w, out) : matmul_vnni<4, false>(xf, w, out);
-  } else {
-    has_min ? matmul_vnni<8, true>(xf, w, out) : matmul_vnni<8, false>(xf, w, out);
-  }
+    if (bits == 4) {
+      has_min ? matmul_vnni<4, true>(xf, w, out) : matmul_vnni<4, false>(xf, w, out);
+    } else {
+      has_min ? matmul_vnni<8, true>(xf, w, out) : matmul_vnni<8, false>(xf, w, out);
+    }
 #else
-  } else if (bits == 4) {
-    has_min ? matmul<4, true>(xf, w, out) : matmul<4, false>(xf, w, out);
-  } else {
-    has_min ? matmul<8, true>(xf, w, out) : matmul<8, false>(xf, w, out);
-  }
+    if (bits == 4) {
+      has_min ? matmul<4, true>(xf, w, out) : matmul<4, false>(xf, w, out);
+    } else {
+      has_min ? matmul<8, true>(xf, w, out) : matmul<8, false>(xf, w, out);
+    }
 #endif
+  }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 

@@ -48,8 +48,8 @@ def chunked_logits(model: CausalLM, ids: list[int], chunk: int = CHUNK) -> torch
     return torch.cat(outputs)
 
 
-def perplexity(model: CausalLM, ids: list[int]) -> float:
-    logits = chunked_logits(model, ids)[:-1].float()
+def perplexity(model: CausalLM, ids: list[int], chunk: int = CHUNK) -> float:
+    logits = chunked_logits(model, ids, chunk)[:-1].float()
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
     return math.exp(nll.item())
 
