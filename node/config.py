@@ -32,6 +32,9 @@ class EngineConfig:
     ``gpu_memory_utilization`` of the device goes to weights, activations and cache, and on
     the CPU a share of the free memory is used. ``speculative_config`` (a dict as vLLM takes
     it, or its JSON text) turns on speculative decoding.
+    ``enable_lora`` serves LoRA adapters (``LoRARequest``) beside the base model: at most
+    ``max_loras`` of them in one step, of rank at most ``max_lora_rank``, with
+    ``max_cpu_loras`` (default ``max_loras``) kept loaded.
     """
 
     model: str | None = None
@@ -50,6 +53,10 @@ class EngineConfig:
     kernel_backend: str = "auto"
     device: str = "auto"
     speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
@@ -79,6 +86,18 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras}): the adapters of one step are all held"
+            )
+        if self.enable_lora and self.tensor_parallel_size != 1:
+            raise ValueError("LoRA adapters run on one rank; tensor_parallel_size must be 1")
 
 
 def resolve_model_dir(model: str | None) -> str:
@@ -106,6 +125,7 @@ def scheduler_config(config: EngineConfig, num_blocks: int, max_model_len: int) 
         enable_prefix_caching=config.enable_prefix_caching,
         seed=config.seed,
         speculative=parse_speculative_config(config.speculative_config),
+        max_loras=config.max_loras if config.enable_lora else 0,
     )
 
 

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig
 from pagedllm.llm_engine import LLMEngine
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -38,22 +39,23 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """Outputs of ``prompts``, in order; ``lora_request`` names the LoRA adapter of every
+        prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"got {len(params)} sampling params for {len(prompts)} prompts; give one "
-                    "or one per prompt"
-                )
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        params = _per_prompt(
+            SamplingParams() if sampling_params is None else sampling_params,
+            SamplingParams,
+            prompts,
+        )
+        loras = _per_prompt(lora_request, LoRARequest, prompts)
+        ids = [
+            self.engine.add_request(p, sp, lora_request=lora)
+            for p, sp, lora in zip(prompts, params, loras, strict=True)
+        ]
         return self._run(ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -81,6 +83,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = []
@@ -94,7 +97,7 @@ class LLM:
             if not isinstance(ids, list):  # newer transformers return a BatchEncoding
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self, prompts: Sequence[Prompt], params: BeamSearchParams
@@ -113,3 +116,16 @@ class LLM:
                 )
             )
         return results
+
+
+def _per_prompt(value: Any, one: type, prompts: list[Prompt]) -> list[Any]:
+    """``value`` for each prompt: one ``one`` (or None) for all, or a sequence of one each."""
+    if value is None or isinstance(value, one):
+        return [value] * len(prompts)
+    values = list(value)
+    if len(values) != len(prompts):
+        raise ValueError(
+            f"got {len(values)} {one.__name__} for {len(prompts)} prompts; give one or one per "
+            "prompt"
+        )
+    return values

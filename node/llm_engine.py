@@ -12,6 +12,7 @@ from pagedllm.config import EngineConfig, resolve_model_dir, scheduler_config
 from pagedllm.core.reporting import SchedulerStats
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import GrammarRef
+from pagedllm.lora.request import LoRARequest
 from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.output.bad_words import bad_words_token_ids
 from pagedllm.output.processor import RequestOutputState
@@ -71,8 +72,16 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         text, ids = self.tokenize(prompt)
+        if lora_request is not None:
+            if self.runner.loras is None:
+                raise ValueError(
+                    f"LoRA adapter {lora_request.lora_name!r} asked for, but the engine was "
+                    "started without enable_lora=True"
+                )
+            self.runner.loras.load(lora_request)  # checked now, not in the middle of a step
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         grammar = self._compile(params)
@@ -81,7 +90,9 @@ class LLMEngine:
         self._states[request_id] = RequestOutputState(
             request_id, text, ids, params, self.tokenizer, arrival
         )
-        self.scheduler.add_request(request_id, ids, params, self.eos_token_ids, arrival, grammar)
+        self.scheduler.add_request(
+            request_id, ids, params, self.eos_token_ids, arrival, grammar, lora_request
+        )
         return request_id
 
     def _compile(self, params: SamplingParams) -> GrammarRef | None:

@@ -11,8 +11,11 @@ from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.sequence import BlockTable, Sequence
 
 
-def root_hash(seed: int) -> bytes:
-    return hashlib.blake2b(f"pagedllm-prefix-root:{seed}".encode(), digest_size=16).digest()
+def root_hash(seed: int, adapter: str | None = None) -> bytes:
+    """The parent of a sequence's first block: the seed's, or a LoRA adapter's own (its K/V
+    differs from the base model's for the same tokens, so no block is shared across them)."""
+    key = f"pagedllm-prefix-root:{seed}" + ("" if adapter is None else f":lora:{adapter}")
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
 
 def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
@@ -52,7 +55,8 @@ class BlockManager:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._root = root_hash(seed)
+        self._seed = seed
+        self._roots: dict[str | None, bytes] = {None: root_hash(seed)}
         # (src, dst) copies the workers must make before the next forward pass.
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0  # tokens looked up
@@ -66,13 +70,21 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _root(self, seq: Sequence) -> bytes:
+        lora = seq.request.lora
+        name = None if lora is None else lora.lora_name
+        root = self._roots.get(name)
+        if root is None:
+            root = self._roots[name] = root_hash(self._seed, name)
+        return root
+
     def _full_block_hashes(self, seq: Sequence) -> list[bytes]:
         """Hashes of the sequence's full blocks, extended as tokens arrive."""
         bs = self.block_size
         hashes = seq.blocks.hashes
         done = len(hashes) * bs
         if seq.num_tokens - done >= bs:
-            parent = hashes[-1] if hashes else self._root
+            parent = hashes[-1] if hashes else self._root(seq)
             hashes.extend(chained_hashes(parent, seq.token_ids[done : seq.num_tokens], bs))
         return hashes
 
@@ -180,7 +192,8 @@ class BlockManager:
             return
         hashes = self._full_block_hashes(seq)
         for i in range(seq.blocks.num_registered, num_full):
-            self.pool.register(seq.blocks.ids[i], hashes[i], hashes[i - 1] if i else self._root)
+            parent = hashes[i - 1] if i else self._root(seq)
+            self.pool.register(seq.blocks.ids[i], hashes[i], parent)
         seq.blocks.num_registered = num_full
 
     def take_copies(self) -> list[tuple[int, int]]:

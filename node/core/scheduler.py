@@ -26,6 +26,7 @@ from pagedllm.core.sequence import FinishReason, GrammarRef, Request, Sequence, 
 from pagedllm.core.speculative import SpeculativeConfig
 from pagedllm.core.step_plan import LAST_SAMPLE, PromptLogprobs, SeqSample, StepPlan, StepResult
 from pagedllm.core.worker_view import WorkerView
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams, derive_seed
 
 
@@ -39,6 +40,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     speculative: SpeculativeConfig | None = None
+    # The most LoRA adapters one step may run (0: requests may name none).
+    max_loras: int = 0
 
 
 # The most steps a sequence whose drafts keep gaining nothing goes without drafting.
@@ -84,14 +87,18 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
         grammar: GrammarRef | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
-        """Queue a request; one with structured outputs comes with its compiled ``grammar``."""
+        """Queue a request; one with structured outputs comes with its compiled ``grammar``,
+        one for a LoRA adapter names it (``lora``)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
         if (params.structured_outputs is None) != (grammar is None):
             raise ValueError("a request has a compiled grammar exactly when it is constrained")
+        if lora is not None and not self.config.max_loras:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is not enabled")
         request = Request(
             request_id,
             list(prompt_token_ids),
@@ -99,6 +106,7 @@ class Scheduler:
             tuple(eos_token_ids),
             RequestTimings(arrival_time if arrival_time is not None else time.monotonic()),
             grammar=grammar,
+            lora=lora,
         )
         seq = Sequence(next(self._seq_ids), request, list(prompt_token_ids), seed=params.seed)
         request.seqs.append(seq)
@@ -222,10 +230,17 @@ class Scheduler:
                 scheduled.append((seq, num_new))
                 budget -= num_new
                 i += 1
+        # A step runs at most max_loras adapters: a waiting sequence for another one waits
+        # (those behind it may go ahead) until a running adapter's sequences are done.
+        adapters = {_adapter(s) for s in self.running}
+        passed: list[Sequence] = []
         while (
             not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs
         ):
             seq = self.waiting[0]
+            if self._waits_for_adapter(seq, adapters):
+                passed.append(self.waiting.popleft())
+                continue
             hit = self.block_manager.find_prefix(seq)
             computed = min(hit.num_tokens, seq.num_tokens - 1)
             num_new = min(seq.num_tokens - computed, budget)
@@ -238,9 +253,20 @@ class Scheduler:
             if request.timings.first_scheduled_time is None:
                 request.timings.first_scheduled_time = time.monotonic()
                 self.prompt_tokens += request.prompt_len
+            adapters.add(_adapter(seq))
             scheduled.append((seq, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(passed))
         return self._plan(scheduled, drafts)
+
+    def _waits_for_adapter(self, seq: Sequence, running: set[str | None]) -> bool:
+        """Whether ``seq`` needs a LoRA adapter beyond the ``max_loras`` already running."""
+        name = _adapter(seq)
+        return (
+            name is not None
+            and name not in running
+            and len(running - {None}) >= self.config.max_loras
+        )
 
     def _may_draft(self, seq: Sequence) -> bool:
         """Whether ``seq`` drafts when next it decodes. Sequences whose sampling follows more
@@ -514,3 +540,8 @@ class Scheduler:
             reported[child.seq_id] = child.num_tokens
             self._append(child, sample, j)
         self._append(seq, sample, 0)
+
+
+def _adapter(seq: Sequence) -> str | None:
+    lora = seq.request.lora
+    return None if lora is None else lora.lora_name

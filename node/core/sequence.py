@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pagedllm.core.request_delta import RequestTimings
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -112,6 +113,8 @@ class Request:
     prompt_logprobs_sent: bool = False
     error: str | None = None
     grammar: GrammarRef | None = None
+    # The LoRA adapter the request runs with (None: the base model).
+    lora: LoRARequest | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.lora.request import LoRARequest
+
 
 @dataclass
 class SamplingSpec:
@@ -45,6 +47,8 @@ class NewSequence:
     num_computed_tokens: int
     num_kv_tokens: int
     sampling: SamplingSpec
+    # The LoRA adapter the sequence runs with; a worker loads it from the path on first use.
+    lora: LoRARequest | None = None
 
 
 # In ``RunningUpdate.new_token_ids``: the token the worker itself sampled for the sequence in

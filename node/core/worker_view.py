@@ -105,6 +105,7 @@ class WorkerView:
                         num_computed_tokens=seq.num_computed_tokens,
                         num_kv_tokens=seq.num_kv_tokens,
                         sampling=sampling_spec(seq),
+                        lora=seq.request.lora,
                     )
                 )
                 self._held[seq.seq_id] = _Held(seq.num_tokens, list(table))

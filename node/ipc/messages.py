@@ -223,7 +223,7 @@ SCHEMAS: dict[str, Schema] = {
         _typed("drain_deadline", DrainDeadline, 1),
         _typed("node_failed", NodeFailed, 1),
         # The per-step pair travels column-wise (see step_wire).
-        Schema("step_plan", StepPlan, 3, encode_plan, decode_plan),
+        Schema("step_plan", StepPlan, 4, encode_plan, decode_plan),
         Schema("step_result", StepResult, 1, encode_result, decode_result),
     )
 }

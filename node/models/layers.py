@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.lora.layers import LoRALinear
 from pagedllm.models import cpu_linear, quantized
 from pagedllm.models.quantized import QuantizedWeight
 
@@ -117,11 +118,13 @@ class RotaryEmbedding(nn.Module):
 
 class PackableLinear(nn.Linear):
     """A linear layer whose weight can be packed for oneDNN once loaded (``cpu_linear``), or
-    kept quantized (``quantized``)."""
+    kept quantized (``quantized``); LoRA adapters' products are added to its output
+    (``lora``, set by a worker serving adapters)."""
 
     packed: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
     quant_ops: ModuleType | None = None
+    lora: LoRALinear | None = None
 
     def pack_weight(self) -> None:
         """Keep the weight only in oneDNN's layout (the dense copy is freed)."""
@@ -149,7 +152,8 @@ class PackableLinear(nn.Linear):
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        out = self.matmul(x, self.bias)
+        return out if self.lora is None else self.lora.add(x, out)
 
 
 class VocabEmbedding(nn.Embedding):
@@ -185,7 +189,7 @@ class RowParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.matmul(x, self.bias)
+            return super().forward(x)
         out = self.matmul(x, None)
         dist.all_reduce(out)
         if self.bias is not None:

@@ -21,6 +21,7 @@ from pagedllm.core.step_plan import (
     StepResult,
 )
 from pagedllm.kernels import kernel_ops
+from pagedllm.lora.manager import LoRAManager
 from pagedllm.models.loader import load_model
 from pagedllm.worker import kv_cache
 from pagedllm.worker.attention_metadata import AttentionMetadata
@@ -82,6 +83,12 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        self.loras: LoRAManager | None = None
+        if config.enable_lora:
+            assert config.max_cpu_loras is not None  # EngineConfig fills it in
+            self.loras = LoRAManager(
+                self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras
+            )
         self.seqs: dict[int, NewSequence] = {}
         # seq id -> the (first) token sampled for it in the last step that sampled it
         self.last_samples: dict[int, int] = {}
@@ -210,6 +217,9 @@ class ModelRunner:
         if plan.block_copies:
             pairs = torch.tensor(plan.block_copies, dtype=torch.long, device=self.device)
             self.ops.copy_blocks(self.kv_caches, pairs)
+        if self.loras is not None:
+            tokens = [(self.seqs[seq_id].lora, n) for seq_id, n in plan.scheduled]
+            self.loras.prepare(tokens, self.device)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

@@ -12,6 +12,7 @@ from pagedllm.core.kv_map import take_map, waste_slots
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.core.sequence import Sequence, SequenceStatus
 from pagedllm.core.speculative import SpeculativeConfig
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm_testing.fake_worker import FakeWorker
 
@@ -76,6 +77,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     """Random requests (n > 1, beams, long prompts), aborts and steps on a tiny cache."""
 
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters a request may name (none: the base model only), and how many a step runs.
+    adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,6 +92,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_model_len=40,
                 enable_prefix_caching=True,
                 speculative=self.speculative,
+                max_loras=self.max_loras,
             )
         )
         self.worker = FakeWorker(vocab=6, eos=0)
@@ -101,8 +106,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         n=st.integers(1, 3),
         beam=st.booleans(),
         max_tokens=st.integers(1, 12),
+        adapter=st.integers(0, 3),
     )
-    def add(self, prompt: list[int], n: int, beam: bool, max_tokens: int) -> None:
+    def add(
+        self, prompt: list[int], n: int, beam: bool, max_tokens: int, adapter: int | None = None
+    ) -> None:
         params = (
             SamplingParams(
                 n=n, best_of=n, use_beam_search=True, temperature=0.0, max_tokens=max_tokens
@@ -112,7 +120,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         request_id = f"r{self.next_id}"
         self.next_id += 1
-        self.scheduler.add_request(request_id, prompt, params, eos_token_ids=(0,))
+        lora = (
+            LoRARequest(self.adapters[adapter], adapter + 1, f"/adapters/{self.adapters[adapter]}")
+            if adapter is not None and adapter < len(self.adapters)
+            else None
+        )
+        self.scheduler.add_request(request_id, prompt, params, eos_token_ids=(0,), lora=lora)
         self.live.add(request_id)
 
     @precondition(lambda self: self.live)

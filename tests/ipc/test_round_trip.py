@@ -25,6 +25,7 @@ from pagedllm.core.step_plan import SeqSample, StepPlan, StepResult
 from pagedllm.ipc import messages
 from pagedllm.ipc.codec import WireError
 from pagedllm.ipc.step_codec import decode_plan, decode_result, encode_plan, encode_result
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 MESSAGE_CLASSES = sorted({s.cls for s in messages.SCHEMAS.values()}, key=lambda c: c.__name__)
@@ -113,6 +114,12 @@ def kv_maps(draw: st.DrawFn) -> KVMap:
 # Classes whose constructor or wire form constrains their fields beyond their type hints.
 CONSTRAINED: dict[type, st.SearchStrategy[Any]] = {
     SamplingParams: sampling_params(),
+    LoRARequest: st.builds(
+        LoRARequest,
+        lora_name=st.text(min_size=1, max_size=12),
+        lora_int_id=st.integers(1, INT64_MAX),
+        lora_path=st.text(min_size=1, max_size=12),
+    ),
     SeqSample: seq_samples(),
     KVUpdate: st.builds(
         KVUpdate,

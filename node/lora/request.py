@@ -1,0 +1,28 @@
+"""The adapter a request runs with, by vLLM's names: ``LoRARequest(lora_name, lora_int_id,
+lora_path)``. Pure data: the scheduler keys prefix-cache blocks by the name, and a worker loads
+the adapter from the path the first time it meets the name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+    The name identifies the adapter: requests with the same name share its weights and their
+    prefix-cache blocks, requests with different names (or none) never share a block.
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError("a LoRA adapter needs a non-empty name")
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError("a LoRA adapter needs the path of its directory")
