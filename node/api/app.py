@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -34,8 +34,10 @@ from pagedllm.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    UnloadLoRAAdapterRequest,
     error_body,
 )
 from pagedllm.api.serving import GenerationRun, ServingContext, from_generation_error
@@ -143,6 +145,8 @@ def build_app(ctx: ServingContext, api_key: str | None) -> ASGIApp:
     add_error_handlers(app)
     _add_probes(app, ctx)
     _add_openai_routes(app, ctx)
+    if ctx.runtime_lora_updates:
+        _add_lora_routes(app, ctx)
     add_tokenize_routes(app, ctx)
     kv_page.add_kv_page_routes(app, ctx)
     return guarded(app, api_key)
@@ -227,6 +231,18 @@ def model_list(ctx: TokenizingContext) -> dict[str, Any]:
                 "max_model_len": ctx.max_model_len,
             }
             for name in ctx.model_names
+        ]
+        + [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pagedllm",
+                "root": adapter.lora_path,
+                "parent": ctx.model_name,
+                "max_model_len": ctx.max_model_len,
+            }
+            for name, adapter in ctx.adapters.items()
         ],
     }
 
@@ -255,6 +271,27 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         return JsonLinesResponse(
             feed.stream(snapshot, subscriber), lambda: feed.unsubscribe(subscriber)
         )
+
+
+def _add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """vLLM's runtime adapter endpoints (behind --allow-runtime-lora-updating and the API key):
+    the scheduler checks the adapter and tells every API server the new list."""
+
+    async def update(name: str, path: str | None) -> Response:
+        ctx.check_admitting()
+        answer = await ctx.client.update_adapter(name, path)
+        if answer.status != 200:
+            kind = "not_found_error" if answer.status == 404 else "invalid_request_error"
+            raise ApiError(answer.status, answer.message, kind, param="lora_name")
+        return PlainTextResponse(answer.message)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        return await update(body.lora_name, body.lora_path)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        return await update(body.lora_name, None)
 
 
 def add_tokenize_routes(app: FastAPI, ctx: TokenizingContext) -> None:

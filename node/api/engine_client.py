@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import os
 import time
@@ -32,14 +33,19 @@ from pagedllm.ipc.messages import (
     Drain,
     DrainDeadline,
     KVEvents,
+    LoadLoRAAdapter,
+    LoRAAdapters,
+    LoRAAdapterUpdated,
     NodeFailed,
     NodeReady,
     ProcessReady,
     RequestOutputs,
     RequestRejected,
     StopSequence,
+    UnloadLoRAAdapter,
     WatchKVMap,
 )
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -74,6 +80,9 @@ class EngineClient:
         self.kv_events = KVEventFeed()
         self.kv_map = KVMapView(lambda: sockets.send(self._requests, WatchKVMap(self.index)))
         self._tasks: list[asyncio.Task[None]] = []
+        # Told the adapters' name -> directory whenever the scheduler's list changes.
+        self.on_adapters: Callable[[dict[str, str]], None] | None = None
+        self._update_ids = itertools.count()
 
     def start(self) -> None:
         """Start reading the inbox and the feed's heartbeats (from inside the event loop)."""
@@ -105,6 +114,7 @@ class EngineClient:
         deliver: Deliver,
         final_only: bool = False,
         first_of_request: bool = True,
+        lora: LoRARequest | None = None,
     ) -> float:
         """Send a request whose messages go to ``deliver``; returns its arrival time. With
         ``final_only`` its steps between the first token and the end come merged; a request
@@ -124,9 +134,30 @@ class EngineClient:
                 arrival,
                 final_only,
                 first_of_request,
+                lora,
             ),
         )
         return arrival
+
+    async def update_adapter(self, name: str, path: str | None) -> LoRAAdapterUpdated:
+        """Load (from ``path``) or unload (``path`` None) an adapter through the scheduler;
+        its answer, or a 503 if the node stops first."""
+        request_id = f"lora-update-{self.index}-{next(self._update_ids)}"
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._subscriptions[request_id] = answer.set_result
+        message: LoadLoRAAdapter | UnloadLoRAAdapter = (
+            UnloadLoRAAdapter(request_id, self.index, name)
+            if path is None
+            else LoadLoRAAdapter(request_id, self.index, name, path)
+        )
+        sockets.send(self._requests, message)
+        try:
+            result = await answer
+        finally:
+            self._subscriptions.pop(request_id, None)
+        if isinstance(result, LoRAAdapterUpdated):
+            return result
+        return LoRAAdapterUpdated(request_id, 503, "the serving node is stopping")
 
     def abort(self, request_id: str) -> None:
         self._subscriptions.pop(request_id, None)
@@ -165,8 +196,11 @@ class EngineClient:
                 self.kv_map.apply(message)
             elif isinstance(message, CacheLayout):
                 self.kv_events.set_layout(message)
-            elif isinstance(message, RequestRejected):
+            elif isinstance(message, RequestRejected | LoRAAdapterUpdated):
                 self._deliver(message.request_id, message, True)
+            elif isinstance(message, LoRAAdapters):
+                if self.on_adapters is not None:
+                    self.on_adapters(message.adapters)
             elif isinstance(message, NodeReady | Drain | DrainDeadline | NodeFailed):
                 self._obey(message)
             elif message is not None:

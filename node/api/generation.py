@@ -19,6 +19,7 @@ from typing import Any
 from pagedllm.api.engine_client import EngineClient
 from pagedllm.core.request_delta import RequestDelta
 from pagedllm.ipc.messages import DrainDeadline, NodeFailed, RequestRejected
+from pagedllm.lora.request import LoRARequest
 from pagedllm.output.processor import RequestOutputState, TextDelta
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -67,6 +68,8 @@ class Generation:
     params: SamplingParams
     # Whether the handler takes every step (SSE) or only the end.
     streaming: bool
+    # The LoRA adapter the request's model names (None: the base model).
+    lora: LoRARequest | None = None
     requests: list[EngineRequest] = field(default_factory=list)
     _steps: deque[Step] = field(default_factory=deque, init=False)
     _error: GenerationError | None = field(default=None, init=False)
@@ -75,6 +78,8 @@ class Generation:
 
     def start(self) -> None:
         self.client.begin()
+        if self.lora is not None:
+            self.metrics.lora_request(self.lora.lora_name)
         for i, prompt in enumerate(self.prompts):
             request_id = f"{self.request_id}-{i}"
             state = RequestOutputState(
@@ -95,6 +100,7 @@ class Generation:
                 # Stop strings are found in the text, so it must follow every step.
                 final_only=not self.streaming and not self.params.stop_strings,
                 first_of_request=i == 0,
+                lora=self.lora,
             )
 
     @property

@@ -214,6 +214,20 @@ class TokenizeChatRequest(_Body):
     tools: list[ChatTool] | None = None
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: Text
+    lora_path: Text
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body (``lora_int_id`` is accepted, unused)."""
+
+    lora_name: Text
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(_Body):
     model: Text | None = None
     tokens: list[TokenId]

@@ -33,6 +33,7 @@ from pagedllm.api.serving import ServingContext
 from pagedllm.api.token_bytes import max_token_bytes
 from pagedllm.ipc import sockets
 from pagedllm.ipc.codec import WireError, decoder, encoder
+from pagedllm.lora.request import LoRARequest
 from pagedllm.models import ModelLoadError
 from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.serve.child_process import setup_child
@@ -61,6 +62,16 @@ class ApiServerSpec:
     tokenizer_dir: str = ""  # where the tokenizer is, when not in model_dir (--tokenizer)
     chat: ChatSettings = field(default_factory=ChatSettings)
     otlp_traces_endpoint: str | None = None  # --otlp-traces-endpoint
+    lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules
+    runtime_lora_updates: bool = False  # --allow-runtime-lora-updating
+
+
+def adapter_requests(modules: dict[str, str]) -> dict[str, LoRARequest]:
+    """The request each adapter name means (ids in name order, as vLLM numbers them from 1)."""
+    return {
+        name: LoRARequest(name, i + 1, path)
+        for i, (name, path) in enumerate(sorted(modules.items()))
+    }
 
 
 def encode_spec(spec: ApiServerSpec) -> bytes:
@@ -162,14 +173,21 @@ async def _serve(spec: ApiServerSpec, sock: socket.socket, tokenizer: Any) -> No
         client=client,
         tokenizer=tokenizer,
         model_names=spec.model_names,
+        adapters=adapter_requests(spec.lora_modules),
         model_dir=spec.model_dir,
         max_model_len=spec.max_model_len,
         vocab_size=spec.vocab_size,
-        metrics=RequestRecorder(spec.model_names[0], tracer),
+        metrics=RequestRecorder(spec.model_names[0], tracer, spec.lora_modules),
         limits=spec.limits,
         max_token_bytes=max_token_bytes(tokenizer),
         chat=spec.chat,
+        runtime_lora_updates=spec.runtime_lora_updates,
     )
+
+    def adapters_changed(adapters: dict[str, str]) -> None:
+        ctx.adapters = adapter_requests(adapters)
+
+    client.on_adapters = adapters_changed
     config = uvicorn.Config(
         build_app(ctx, spec.api_key),
         log_config=None,

@@ -49,6 +49,8 @@ class ServingContext(TokenizingContext):
     client: EngineClient
     metrics: RequestRecorder
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # --allow-runtime-lora-updating: the adapter load and unload endpoints.
+    runtime_lora_updates: bool = False
 
     def check_admitting(self) -> None:
         state = self.client.state
@@ -237,6 +239,12 @@ class GenerationRun(abc.ABC):
         """The closing choices (each in a chunk of its own) of such a choice."""
         return [self.final_choice(index, output)]
 
+    @property
+    def model_name(self) -> str:
+        """The model the response names: the adapter asked for, or the served model."""
+        lora = self.generation.lora
+        return self.ctx.model_name if lora is None else lora.lora_name
+
     def usage(self) -> dict[str, int]:
         prompt = sum(len(p.token_ids) for p in self.generation.prompts)
         completion = sum(len(o.token_ids) for out in self.generation.outputs() for o in out.outputs)
@@ -253,7 +261,7 @@ class GenerationRun(abc.ABC):
             "id": self.response_id,
             "object": self.CHUNK_OBJECT,
             "created": self.created,
-            "model": self.ctx.model_name,
+            "model": self.model_name,
             "choices": choices,
             "usage": usage,
         }

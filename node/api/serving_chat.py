@@ -97,7 +97,7 @@ class ChatRun(GenerationRun):
             "id": self.response_id,
             "object": "chat.completion",
             "created": self.created,
-            "model": self.ctx.model_name,
+            "model": self.model_name,
             "choices": choices,
             "usage": self.usage(),
         }
@@ -173,7 +173,7 @@ class ChatRun(GenerationRun):
 
 
 async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> ChatRun:
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     ctx.check_samples(body.n, body.best_of)
     max_tokens = body.max_completion_tokens or body.max_tokens
     try:
@@ -196,6 +196,13 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> Chat
     ctx.check_admitting()
     response_id = random_id("chatcmpl")
     generation = Generation(
-        ctx.client, ctx.metrics, ctx.tokenizer, response_id, [prompt], params, streaming=body.stream
+        ctx.client,
+        ctx.metrics,
+        ctx.tokenizer,
+        response_id,
+        [prompt],
+        params,
+        streaming=body.stream,
+        lora=lora,
     )
     return ChatRun(ctx, body, generation, response_id, int(time.time()), tools)

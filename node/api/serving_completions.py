@@ -91,7 +91,7 @@ class CompletionRun(GenerationRun):
             "id": self.response_id,
             "object": "text_completion",
             "created": self.created,
-            "model": self.ctx.model_name,
+            "model": self.model_name,
             "choices": choices,
             "usage": self.usage(),
         }
@@ -168,7 +168,7 @@ class CompletionRun(GenerationRun):
 
 
 async def prepare_completion(ctx: ServingContext, body: CompletionRequest) -> CompletionRun:
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     ctx.check_samples(body.n, body.best_of)
     prompts = await completion_prompts(ctx, body)
     check_lengths(ctx, prompts, body.max_tokens)
@@ -185,6 +185,13 @@ async def prepare_completion(ctx: ServingContext, body: CompletionRequest) -> Co
     ctx.check_admitting()
     response_id = random_id("cmpl")
     generation = Generation(
-        ctx.client, ctx.metrics, ctx.tokenizer, response_id, prompts, params, streaming=body.stream
+        ctx.client,
+        ctx.metrics,
+        ctx.tokenizer,
+        response_id,
+        prompts,
+        params,
+        streaming=body.stream,
+        lora=lora,
     )
     return CompletionRun(ctx, body, generation, response_id, int(time.time()))

@@ -31,6 +31,7 @@ from pagedllm.api.protocol import (
     CompletionRequest,
     TokenizeChatRequest,
 )
+from pagedllm.lora.request import LoRARequest
 
 # Threads that tokenize and render chat templates, off the event loop (the tokenizers library
 # releases the GIL while it encodes). Large texts get half the CPUs, so that tokenizing them
@@ -52,6 +53,8 @@ class TokenizingContext:
     tokenizer: Any
     model_names: list[str]
     model_dir: str
+    # LoRA adapters a request may name as its model (--lora-modules), by name.
+    adapters: dict[str, LoRARequest] = field(default_factory=dict)
     max_model_len: int
     vocab_size: int
     # The longest token's byte length (token_bytes.max_token_bytes); None: no sound bound.
@@ -70,16 +73,21 @@ class TokenizingContext:
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The adapter ``name`` means (None: the base model), or a 404 naming what is served."""
+        if name is None or name in self.model_names:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None:
             raise ApiError(
                 404,
                 f"The model `{name}` does not exist; this server serves "
-                f"{', '.join(self.model_names)}",
+                f"{', '.join([*self.model_names, *self.adapters])}",
                 "not_found_error",
                 "model_not_found",
                 "model",
             )
+        return adapter
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = [t for t in ids if t >= self.vocab_size]

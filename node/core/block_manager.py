@@ -9,6 +9,13 @@ import numpy as np
 
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.sequence import BlockTable, Sequence
+from pagedllm.lora.request import LoRARequest
+
+
+def adapter_key(lora: LoRARequest | None) -> str | None:
+    """What identifies an adapter's K/V: its name and its directory (a name unloaded and
+    loaded again from elsewhere is another adapter)."""
+    return None if lora is None else f"{lora.lora_name}@{lora.lora_path}"
 
 
 def root_hash(seed: int, adapter: str | None = None) -> bytes:
@@ -71,11 +78,10 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _root(self, seq: Sequence) -> bytes:
-        lora = seq.request.lora
-        name = None if lora is None else lora.lora_name
-        root = self._roots.get(name)
+        key = adapter_key(seq.request.lora)
+        root = self._roots.get(key)
         if root is None:
-            root = self._roots[name] = root_hash(self._seed, name)
+            root = self._roots[key] = root_hash(self._seed, key)
         return root
 
     def _full_block_hashes(self, seq: Sequence) -> list[bytes]:

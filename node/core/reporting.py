@@ -41,6 +41,10 @@ class SchedulerStats:
     kv_shared_blocks: int
     # None when speculative decoding is off.
     spec_decode: SpecDecodeStats | None = None
+    # LoRA: the most adapters a step runs (0: off), and those of running and waiting requests.
+    max_loras: int = 0
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
 
 def step_delta(request: Request, reported: dict[int, int]) -> RequestDelta:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from pagedllm.core import reporting
 from pagedllm.core.beam_search import BeamSearch
-from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.block_manager import BlockManager, adapter_key
 from pagedllm.core.kv_map import waste_fraction
 from pagedllm.core.ngram_proposer import propose
 from pagedllm.core.reporting import SchedulerStats, SpecDecodeStats
@@ -179,6 +180,9 @@ class Scheduler:
             spec_decode=None
             if self.config.speculative is None
             else replace(self.spec_stats, accepted_per_pos=list(self.spec_stats.accepted_per_pos)),
+            max_loras=self.config.max_loras,
+            running_adapters=_adapters(self.running),
+            waiting_adapters=_adapters(self.waiting),
         )
 
     # ----- scheduling ----------------------------------------------------------------------
@@ -543,5 +547,9 @@ class Scheduler:
 
 
 def _adapter(seq: Sequence) -> str | None:
-    lora = seq.request.lora
-    return None if lora is None else lora.lora_name
+    return adapter_key(seq.request.lora)
+
+
+def _adapters(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The names of the adapters of ``seqs``."""
+    return tuple(sorted({s.request.lora.lora_name for s in seqs if s.request.lora is not None}))

@@ -7,8 +7,10 @@ payload that does not fit raises ``WireError``; receivers log and drop it.
 
 Who sends what:
 - API server -> scheduler: AddRequest, AbortRequest, StopSequence, WatchKVMap (while a page
-  shows the block map, at least every ``WATCH_LEASE_S / 3``)
-- scheduler -> API server: RequestOutputs, RequestRejected; KVMap while it watches (at most
+  shows the block map, at least every ``WATCH_LEASE_S / 3``), LoadLoRAAdapter and
+  UnloadLoRAAdapter
+- scheduler -> API server: RequestOutputs, RequestRejected, LoRAAdapterUpdated; to every API
+  server LoRAAdapters when the adapters change; KVMap while it watches (at most
   one per ``KV_MAP_INTERVAL_S``, see ``serve.kv_map_sender``); to every API server:
   CacheLayout once, then KVEvents each step the prefix cache or the load changed, and at
   least once a second when idle (the KV-events feed, see ``api.kv_events``)
@@ -33,6 +35,7 @@ from pagedllm.core.request_delta import RequestDelta
 from pagedllm.core.step_plan import StepPlan, StepResult
 from pagedllm.ipc.codec import WireError, decoder, encoder
 from pagedllm.ipc.step_codec import decode_plan, decode_result, encode_plan, encode_result
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -49,6 +52,8 @@ class AddRequest:
     # False for the second and later prompts of one HTTP request: they join the first, which
     # alone is held to --max-waiting, so that a request is never half refused as busy.
     first_of_request: bool = True
+    # The LoRA adapter the request's model names (None: the base model).
+    lora: LoRARequest | None = None
 
 
 @dataclass
@@ -81,6 +86,41 @@ KV_MAP_INTERVAL_S = 0.25
 @dataclass
 class RequestOutputs:
     deltas: list[RequestDelta]
+
+
+@dataclass
+class LoadLoRAAdapter:
+    """Add an adapter requests may name (``POST /v1/load_lora_adapter``)."""
+
+    request_id: str
+    client_index: int
+    lora_name: str
+    lora_path: str
+
+
+@dataclass
+class UnloadLoRAAdapter:
+    """Remove an adapter from those requests may name; requests already queued keep it."""
+
+    request_id: str
+    client_index: int
+    lora_name: str
+
+
+@dataclass
+class LoRAAdapterUpdated:
+    """The answer to a (Un)LoadLoRAAdapter: an HTTP status and its message."""
+
+    request_id: str
+    status: int
+    message: str
+
+
+@dataclass
+class LoRAAdapters:
+    """The adapters requests may name now (name -> directory), to every API server."""
+
+    adapters: dict[str, str]
 
 
 @dataclass
@@ -171,8 +211,12 @@ Message = (
     | AbortRequest
     | StopSequence
     | WatchKVMap
+    | LoadLoRAAdapter
+    | UnloadLoRAAdapter
     | RequestOutputs
     | RequestRejected
+    | LoRAAdapterUpdated
+    | LoRAAdapters
     | CacheLayout
     | KVEvents
     | KVMap
@@ -205,7 +249,11 @@ def _typed(tag: str, cls: type, version: int) -> Schema:
 SCHEMAS: dict[str, Schema] = {
     s.tag: s
     for s in (
-        _typed("add_request", AddRequest, 5),
+        _typed("add_request", AddRequest, 6),
+        _typed("load_lora_adapter", LoadLoRAAdapter, 1),
+        _typed("unload_lora_adapter", UnloadLoRAAdapter, 1),
+        _typed("lora_adapter_updated", LoRAAdapterUpdated, 1),
+        _typed("lora_adapters", LoRAAdapters, 1),
         _typed("abort_request", AbortRequest, 1),
         _typed("stop_sequence", StopSequence, 1),
         _typed("request_outputs", RequestOutputs, 3),

@@ -52,7 +52,7 @@ class LoRALinear:
     in_features: int
     _version: int = -1
     _a: torch.Tensor | None = None
-    _b: list[torch.Tensor] = field(default_factory=list)
+    _bt: list[torch.Tensor] = field(default_factory=list)  # each B, transposed
 
     def _stack(self, dtype: torch.dtype, device: torch.device) -> None:
         ctx = self.context
@@ -69,7 +69,7 @@ class LoRALinear:
                 a[m, s, :r] = lora_a
                 bs[m][:, s * rank : s * rank + r] = lora_b
         self._a = a.reshape(-1, self.in_features).to(device)
-        self._b = [b.to(device) for b in bs]
+        self._bt = [b.to(device).T.contiguous() for b in bs]
         self._version = ctx.version
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -83,10 +83,10 @@ class LoRALinear:
         tokens, slots, rank = x.shape[0], len(ctx.adapters), ctx.rank
         xa = (x @ self._a.T).view(tokens, len(self.modules), slots, rank)
         if ctx.one_hot is not None:
-            xa = xa * ctx.one_hot.to(xa.dtype)[:, None, :, None]
+            xa.mul_(ctx.one_hot[:, None, :, None])
         start = 0
-        for m, b in enumerate(self._b):
+        for m, b in enumerate(self._bt):
             size = self.out_sizes[m]
-            out[:, start : start + size] += xa[:, m].reshape(tokens, slots * rank) @ b.T
+            out[:, start : start + size].addmm_(xa[:, m].reshape(tokens, slots * rank), b)
             start += size
         return out

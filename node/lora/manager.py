@@ -10,8 +10,9 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from pagedllm.lora.adapter import MODULES, LoRAWeights, load_adapter
+from pagedllm.lora.adapter import LoRAWeights, load_adapter
 from pagedllm.lora.layers import LoRAContext, LoRALinear
+from pagedllm.lora.peft_files import check_shapes
 from pagedllm.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,8 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self.dtype = next(model.parameters()).dtype
         self.context = LoRAContext()
-        self.loaded: OrderedDict[str, LoRAWeights] = OrderedDict()
-        # Every name met, with its path: a name means one adapter for the engine's life, since
-        # the prefix cache keys blocks by it.
-        self.paths: dict[str, str] = {}
+        # (name, directory) -> weights, least recently used first.
+        self.loaded: OrderedDict[tuple[str, str], LoRAWeights] = OrderedDict()
         self.num_loads = 0
         # (layer, PEFT module) -> (in, out) of the projection, to check adapters against.
         self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
@@ -72,70 +71,60 @@ class LoRAManager:
 
     def load(self, request: LoRARequest) -> LoRAWeights:
         """The adapter's weights, loaded and checked on first use (``ValueError`` if they
-        cannot serve this model), the least recently used one dropped beyond the LRU's size."""
-        name = request.lora_name
-        known = self.paths.get(name)
-        if known is not None and known != request.lora_path:
-            raise ValueError(
-                f"LoRA adapter name {name!r} already names the adapter at {known}; give the "
-                f"one at {request.lora_path} another name"
-            )
-        held = self.loaded.get(name)
+        cannot serve this model), the least recently used one dropped beyond the LRU's size.
+        An adapter is its name and directory: a name unloaded and loaded again from another
+        directory at runtime is another adapter (as it is to the prefix cache)."""
+        key = (request.lora_name, request.lora_path)
+        held = self.loaded.get(key)
         if held is not None:
-            self.loaded.move_to_end(name)
+            self.loaded.move_to_end(key)
             return held
         weights = load_adapter(request.lora_path, self.max_lora_rank, self.dtype)
-        for (layer, module), (a, b) in weights.modules.items():
-            expected = self.shapes.get((layer, module))
-            if expected is None:
-                raise ValueError(
-                    f"adapter {request.lora_name!r} adapts layer {layer} {module}, which the "
-                    f"model does not have (it adapts {', '.join(MODULES)} of its layers)"
-                )
-            if (a.shape[1], b.shape[0]) != expected:
-                raise ValueError(
-                    f"adapter {request.lora_name!r}: layer {layer} {module} maps "
-                    f"{a.shape[1]} -> {b.shape[0]} features, the model's {expected[0]} -> "
-                    f"{expected[1]}"
-                )
-        self.loaded[name] = weights
-        self.paths[name] = request.lora_path
+        check_shapes(request.lora_name, weights.shapes, self.shapes)
+        self.loaded[key] = weights
         self.num_loads += 1
         while len(self.loaded) > self.max_cpu_loras:
-            dropped, _ = self.loaded.popitem(last=False)
+            (dropped, _), _ = self.loaded.popitem(last=False)
             log.info("LoRA adapter %s dropped from memory (--max-cpu-loras)", dropped)
-        log.info("LoRA adapter %s loaded from %s", name, request.lora_path)
+        log.info("LoRA adapter %s loaded from %s", request.lora_name, request.lora_path)
         return weights
 
     def prepare(self, tokens: list[tuple[LoRARequest | None, int]], device: torch.device) -> None:
         """Set the step's adapters: ``tokens`` gives, in batch order, each sequence's adapter
         (or None) and its number of tokens."""
-        names: list[str] = []
-        for request, _ in tokens:
-            if request is not None and request.lora_name not in names:
-                names.append(request.lora_name)
-        if len(names) > self.max_loras:
-            raise ValueError(f"a step with {len(names)} adapters; at most {self.max_loras}")
+        keys: list[tuple[str, str] | None] = [
+            None if r is None else (r.lora_name, r.lora_path) for r, _ in tokens
+        ]
+        active: list[LoRARequest] = []
+        for (request, _), key in zip(tokens, keys, strict=True):
+            if request is not None and key not in [(a.lora_name, a.lora_path) for a in active]:
+                active.append(request)
+        if len(active) > self.max_loras:
+            raise ValueError(f"a step with {len(active)} adapters; at most {self.max_loras}")
         ctx = self.context
-        if not names:
+        if not active:
             ctx.names, ctx.adapters, ctx.one_hot = (), (), None
             return
-        by_name = {r.lora_name: r for r, _ in tokens if r is not None}
-        adapters = tuple(self.load(by_name[name]) for name in names)
-        if tuple(names) != ctx.names or any(
+        adapters = tuple(self.load(request) for request in active)
+        names = tuple(r.lora_name for r in active)
+        if names != ctx.names or any(
             a is not b for a, b in zip(adapters, ctx.adapters, strict=True)
         ):
-            ctx.names, ctx.adapters = tuple(names), adapters
+            ctx.names, ctx.adapters = names, adapters
             ctx.rank = max(a.rank for a in adapters)
             ctx.version += 1
-        every_token_first = len(names) == 1 and all(r is not None for r, _ in tokens)
-        if every_token_first:
-            ctx.one_hot = None
+        if len(active) == 1 and all(r is not None for r, _ in tokens):
+            ctx.one_hot = None  # every token has the one adapter
             return
+        slot_of = {(a.lora_name, a.lora_path): s for s, a in enumerate(active)}
         slots = torch.tensor(
-            [names.index(r.lora_name) if r is not None else -1 for r, n in tokens for _ in range(n)]
+            [
+                -1 if key is None else slot_of[key]
+                for key, (_, n) in zip(keys, tokens, strict=True)
+                for _ in range(n)
+            ]
         )
-        one_hot = torch.zeros(len(slots), len(names), dtype=self.dtype)
+        one_hot = torch.zeros(len(slots), len(active), dtype=self.dtype)  # the model's dtype
         has = slots >= 0
         one_hot[has.nonzero()[:, 0], slots[has]] = 1
         ctx.one_hot = one_hot.to(device)

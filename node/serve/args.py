@@ -7,9 +7,11 @@ or model directory stops the command at once with a message instead of a dying c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.api.chat_settings import ChatSettings, chat_template_arg
 from pagedllm.api.limits import MAX_N_LIMIT, RequestLimits
@@ -23,8 +25,13 @@ from pagedllm.config import (
 from pagedllm.kernels import BACKENDS
 from pagedllm.models.named import NAMED_MODELS
 
+if TYPE_CHECKING:
+    from pagedllm.lora.peft_files import Shapes
+    from pagedllm.models.config import ModelConfig
+
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 DEMO_MODEL_NAME = "pagedllm-demo"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # 0: the front processes keep the workers' priority (see --api-server-nice).
 DEFAULT_API_SERVER_NICE = 0
@@ -53,6 +60,13 @@ class ServeArgs:
     log_level: str
     chat: ChatSettings = field(default_factory=ChatSettings)
     otlp_traces_endpoint: str | None = None
+    # --lora-modules: the adapters requests may name as their model, name -> directory.
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    # The model's projections adapters are checked against (with --enable-lora).
+    lora_shapes: Shapes = field(default_factory=dict)
+    # --allow-runtime-lora-updating (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): the load and
+    # unload endpoints.
+    runtime_lora_updates: bool = False
 
 
 def _integer(text: str, expected: str) -> int:
@@ -129,6 +143,24 @@ def fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
     return value
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """``NAME=PATH``, or vLLM's JSON form ``{"name": ..., "path": ...}``."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"--lora-modules: bad JSON: {error}") from None
+        name, path = (value.get(k) if isinstance(value, dict) else None for k in ("name", "path"))
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path:
+        raise argparse.ArgumentTypeError(
+            f'--lora-modules: expected NAME=PATH or {{"name": ..., "path": ...}}, got {text!r}'
+        )
+    return name.strip(), path
 
 
 def byte_size(text: str) -> int:
@@ -335,6 +367,36 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
     )
+    p.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters beside the base model"
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapters requests may name as their model (checked at start); needs "
+        "--enable-lora",
+    )
+    p.add_argument(
+        "--max-loras", type=positive_int, default=1, help="the most adapters one step runs"
+    )
+    p.add_argument(
+        "--max-lora-rank", type=positive_int, default=16, help="the largest adapter rank accepted"
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=positive_int,
+        default=None,
+        help="adapters kept loaded, the least recently used dropped beyond (default: --max-loras)",
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="turn on POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+        f"{RUNTIME_LORA_ENV}=True does; needs --enable-lora)",
+    )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
@@ -374,9 +436,20 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
             kernel_backend=ns.kernel_backend,
             device=ns.device,
             speculative_config=ns.speculative_config,
+            enable_lora=ns.enable_lora,
+            max_loras=ns.max_loras,
+            max_lora_rank=ns.max_lora_rank,
+            max_cpu_loras=ns.max_cpu_loras,
         )
     except ValueError as error:
         parser.error(str(error))
+    if ns.lora_modules and not ns.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    runtime_lora = ns.allow_runtime_lora_updating or os.environ.get(
+        RUNTIME_LORA_ENV, ""
+    ).lower() in ("1", "true")
+    if runtime_lora and not ns.enable_lora:
+        parser.error(f"--allow-runtime-lora-updating ({RUNTIME_LORA_ENV}) needs --enable-lora")
     # Reading the model pulls in torch: only once the cheap checks passed.
     import torch
 
@@ -400,6 +473,8 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
             f"max_position_embeddings ({model.max_position_embeddings})"
         )
     names = ns.served_model_name or [ns.model if ns.model is not None else DEMO_MODEL_NAME]
+    shapes = lora_shapes(model) if ns.enable_lora else {}
+    lora_modules = lora_modules_checked(ns.lora_modules, names, shapes, engine, parser)
     return ServeArgs(
         engine=engine,
         model_dir=model_dir,
@@ -424,4 +499,44 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
         log_level=ns.log_level,
         chat=chat_settings(ns, parser),
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
+        lora_modules=lora_modules,
+        lora_shapes=shapes,
+        runtime_lora_updates=runtime_lora,
+    )
+
+
+def lora_modules_checked(
+    modules: list[tuple[str, str]],
+    model_names: list[str],
+    shapes: Shapes,
+    engine: EngineConfig,
+    parser: argparse.ArgumentParser,
+) -> dict[str, str]:
+    """``--lora-modules`` as name -> absolute directory, each adapter read and checked against
+    the model, or ``parser.error`` naming the adapter and its problem."""
+    from pagedllm.lora.peft_files import check_shapes, inspect_adapter
+
+    out: dict[str, str] = {}
+    for name, path in modules:
+        if name in out or name in model_names:
+            parser.error(f"--lora-modules: the name {name!r} is given twice")
+        try:
+            files = inspect_adapter(os.path.expanduser(path), engine.max_lora_rank)
+            check_shapes(name, files.shapes, shapes)
+        except ValueError as error:
+            parser.error(f"--lora-modules {name}: {error}")
+        out[name] = os.path.abspath(os.path.expanduser(path))
+    return out
+
+
+def lora_shapes(model: ModelConfig) -> Shapes:
+    from pagedllm.lora.peft_files import model_shapes
+
+    return model_shapes(
+        model.num_hidden_layers,
+        model.hidden_size,
+        model.intermediate_size,
+        model.num_attention_heads,
+        model.num_key_value_heads,
+        model.head_dim,
     )

@@ -10,6 +10,8 @@ Figures of our own are named ``pagedllm:*``.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY as DEFAULT_REGISTRY
@@ -217,6 +219,15 @@ class SchedulerMetrics:
         )
         for position in range(num_speculative_tokens):
             self._spec_per_pos.labels(model, str(position))
+        # vLLM's shape: the labels list the adapters of running and waiting requests; the
+        # value is when they were seen (a reader takes the newest series).
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "LoRA adapters of running and waiting requests (value: when seen, Unix seconds).",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=None,
+            multiprocess_mode="mostrecent",
+        )
         self._model = model
         # The totals last reported, so that the counters grow by the difference.
         self._totals: dict[Counter, int] = {}
@@ -233,6 +244,12 @@ class SchedulerMetrics:
         self.kv_usage.set(stats.kv_usage)
         self.kv_waste.set(stats.kv_waste)
         self.kv_shared.set(stats.kv_shared_blocks)
+        if stats.max_loras:
+            self.lora_info.labels(
+                str(stats.max_loras),
+                ",".join(stats.running_adapters),
+                ",".join(stats.waiting_adapters),
+            ).set(time.time())
         for counter, total in (
             (self.prefix_queries, stats.prefix_queries),
             (self.prefix_hits, stats.prefix_hits),
@@ -265,9 +282,19 @@ class RequestRecorder:
     """An API server's view: what each request it answered experienced (and, with
     ``--otlp-traces-endpoint``, each request's trace)."""
 
-    def __init__(self, model: str, tracer: RequestTracer | None = None) -> None:
+    def __init__(
+        self, model: str, tracer: RequestTracer | None = None, adapters: Iterable[str] = ()
+    ) -> None:
         self.model = model
         self.tracer = tracer
+        self.lora_requests = Counter(
+            "pagedllm:lora_requests",
+            "Requests for each LoRA adapter.",
+            [LABEL, "adapter"],
+            registry=None,
+        )
+        for adapter in adapters:
+            self.lora_requests.labels(model, adapter)
         self.success = Counter(
             "vllm:request_success",
             "Finished requests by finish reason.",
@@ -308,6 +335,9 @@ class RequestRecorder:
             model,
             REQUEST_BUCKETS,
         )
+
+    def lora_request(self, adapter: str) -> None:
+        self.lora_requests.labels(self.model, adapter).inc()
 
     def finished(self, reason: str) -> None:
         self.success.labels(self.model, reason).inc()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -39,20 +39,26 @@ from pagedllm.ipc.messages import (
     AbortRequest,
     AddRequest,
     CacheLayout,
+    LoadLoRAAdapter,
+    LoRAAdapters,
+    LoRAAdapterUpdated,
     NodeFailed,
     ProcessReady,
     RequestOutputs,
     RequestRejected,
     StepRefused,
     StopSequence,
+    UnloadLoRAAdapter,
     WatchKVMap,
     WorkerReady,
 )
+from pagedllm.lora.peft_files import Shapes
 from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.serve.child_process import setup_child
 from pagedllm.serve.grammar_intake import Compiled, GrammarIntake
 from pagedllm.serve.kv_event_sender import HEARTBEAT_S, KVEventSender
 from pagedllm.serve.kv_map_sender import KVMapSender
+from pagedllm.serve.lora_registry import LoRARegistry
 from pagedllm.serve.metrics import SchedulerMetrics
 from pagedllm.structured.compiler import GrammarCompiler, tokenizer_info
 
@@ -83,6 +89,11 @@ class SchedulerSpec:
     # Where the tokenizer is (--tokenizer, or the model's own: a GGUF file holds its own), for
     # compiling grammars (None: no structured outputs).
     tokenizer_dir: str | None = None
+    # LoRA (--enable-lora): the adapters of --lora-modules, the model's projections, and the
+    # base model's names (not an adapter's).
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    lora_shapes: Shapes = field(default_factory=dict)
+    model_names: tuple[str, ...] = ()
 
 
 def run_scheduler(spec: SchedulerSpec) -> None:
@@ -141,6 +152,16 @@ class SchedulerLoop:
             CacheLayout(config.block_size, config.seed, config.num_blocks),
         )
         self.kv_map = KVMapSender(self.scheduler, self.api_servers)
+        self.loras = (
+            LoRARegistry(
+                spec.config.max_lora_rank,
+                spec.lora_shapes,
+                spec.model_names,
+                dict(spec.lora_modules),
+            )
+            if spec.config.enable_lora
+            else None
+        )
 
     def _grammar_compiler(self) -> GrammarCompiler | None:
         if self.spec.tokenizer_dir is None:
@@ -267,11 +288,7 @@ class SchedulerLoop:
             if isinstance(message, AddRequest):
                 self._add(message)
             elif isinstance(message, AbortRequest):
-                if self.grammars.abort(message.request_id):
-                    self.clients.pop(message.request_id, None)
-                elif self.scheduler.abort(message.request_id):
-                    self.clients.pop(message.request_id, None)
-                    self.outputs.forget(message.request_id)
+                self._abort(message.request_id)
             elif isinstance(message, WatchKVMap):
                 if not self.kv_map.watch(message.client_index):
                     log.warning(
@@ -283,8 +300,38 @@ class SchedulerLoop:
                 )
                 if final is not None:
                     self._send_outputs([final])
+            elif isinstance(message, LoadLoRAAdapter | UnloadLoRAAdapter):
+                self._update_adapters(message)
             elif message is not None:
                 log.warning("ignored a %s message from an API server", type(message).__name__)
+
+    def _abort(self, request_id: str) -> None:
+        if self.grammars.abort(request_id):
+            self.clients.pop(request_id, None)
+        elif self.scheduler.abort(request_id):
+            self.clients.pop(request_id, None)
+            self.outputs.forget(request_id)
+
+    def _update_adapters(self, message: LoadLoRAAdapter | UnloadLoRAAdapter) -> None:
+        """Load or unload an adapter; every API server learns the new list before the one that
+        asked has its answer."""
+        if not 0 <= message.client_index < len(self.api_servers):
+            log.warning(
+                "ignored an adapter update from unknown API server %d", message.client_index
+            )
+            return
+        if self.loras is None:
+            status, text = 400, "LoRA is not enabled on this server (--enable-lora)"
+        elif isinstance(message, LoadLoRAAdapter):
+            status, text = self.loras.load(message.lora_name, message.lora_path)
+        else:
+            status, text = self.loras.unload(message.lora_name)
+        if status == 200 and self.loras is not None:
+            for server in self.api_servers:
+                sockets.send(server, LoRAAdapters(dict(self.loras.adapters)))
+            log.info("%s", text)
+        client = self.api_servers[message.client_index]
+        sockets.send(client, LoRAAdapterUpdated(message.request_id, status, text))
 
     def _add(self, message: AddRequest) -> None:
         if not 0 <= message.client_index < len(self.api_servers):
@@ -342,6 +389,7 @@ class SchedulerLoop:
                 self.spec.eos_token_ids,
                 message.arrival_time,
                 grammar,
+                message.lora,
             )
         except ValueError as error:
             self._reject(message, 400, str(error))

@@ -241,6 +241,9 @@ class Supervisor:
                     args.async_scheduling,
                     args.step_timeout,
                     args.tokenizer_dir,
+                    args.lora_modules,
+                    args.lora_shapes,
+                    tuple(args.model_names),
                 ),
             )
         )
@@ -267,6 +270,8 @@ class Supervisor:
                 tokenizer_dir=args.tokenizer_dir,
                 chat=args.chat,
                 otlp_traces_endpoint=args.otlp_traces_endpoint,
+                lora_modules=args.lora_modules,
+                runtime_lora_updates=args.runtime_lora_updates,
             )
             self.children.append(Child("api_server", index, ApiServerProcess(spec)))
 

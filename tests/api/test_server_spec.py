@@ -31,6 +31,8 @@ SPEC = ApiServerSpec(
     limits=RequestLimits(max_prompts_per_request=8, max_n=4, max_request_tokens=1000),
     tokenizer_dir="/models/tokenizer",
     chat=ChatSettings("{{ messages }}", True, "hermes"),
+    lora_modules={"sql": "/adapters/sql"},
+    runtime_lora_updates=True,
 )
 
 
@@ -65,6 +67,8 @@ def test_a_spec_arrives_as_it_was_sent() -> None:
                     "",
                     [None, False, None],
                     None,
+                    {},
+                    False,
                 ]
             ),
             "port",

@@ -8,14 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from pagedllm.llm import LLM
 from pagedllm.lora.request import LoRARequest
-from pagedllm.models.demo import demo_model_dir
 from pagedllm.sampling_params import SamplingParams
+from pagedllm_testing.lora_adapters import demo_adapter
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = {"prompt_token_ids": [1, 17, 300, 42, 9]}
@@ -23,12 +21,8 @@ PROMPT = {"prompt_token_ids": [1, 17, 300, 42, 9]}
 
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(demo_model_dir(), dtype=torch.float32)
-    config = LoraConfig(r=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
-    path = tmp_path_factory.mktemp("adapters") / "good"
-    get_peft_model(base, config).save_pretrained(path)
-    return path
+    directory = tmp_path_factory.mktemp("adapters") / "good"
+    return demo_adapter(directory, modules=["q_proj", "down_proj"], alpha=8)
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +135,18 @@ def test_the_lru_keeps_max_cpu_loras_and_reloads_a_dropped_adapter(llm, adapter)
     assert answers["one"][0] == answers["one"][1] == answers["two"][0]
 
 
-def test_a_name_keeps_its_adapter(llm, adapter, tmp_path):
-    # The prefix cache keys blocks by the name: it cannot come to mean other weights.
-    llm.generate(PROMPT, GREEDY, use_tqdm=False, lora_request=LoRARequest("kept", 20, str(adapter)))
-    other = broken(adapter, tmp_path)
-    with pytest.raises(ValueError, match="already names the adapter"):
-        llm.generate(PROMPT, GREEDY, use_tqdm=False, lora_request=LoRARequest("kept", 21, other))
+def test_a_name_loaded_from_another_directory_is_another_adapter(llm, adapter, tmp_path):
+    # As after an unload and a load at runtime: the new weights answer, not the old ones'
+    # weights or cached blocks.
+    first = LoRARequest("renamed", 20, str(adapter))
+    old = llm.generate(PROMPT, GREEDY, use_tqdm=False, lora_request=first)
+    other = demo_adapter(tmp_path / "other", seed=5, modules=["v_proj", "up_proj"], alpha=8)
+    second = LoRARequest("renamed", 20, str(other))
+    new = llm.generate(PROMPT, GREEDY, use_tqdm=False, lora_request=second)
+    assert new[0].outputs[0].token_ids != old[0].outputs[0].token_ids
+    fresh = LLM(enable_lora=True, max_lora_rank=8)
+    alone = fresh.generate(PROMPT, GREEDY, use_tqdm=False, lora_request=second)
+    assert new[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
 
 
 def test_adapters_run_on_quantized_weights(adapter):

@@ -11,6 +11,7 @@ from pagedllm.api.token_bytes import max_token_bytes
 from pagedllm.api.tokenizing import TokenizingContext
 from pagedllm.config import resolve_model_dir
 from pagedllm.models.tokenizer import load_tokenizer
+from pagedllm_testing.lora_adapters import demo_adapter
 from pagedllm_testing.router_harness import start_router
 from pagedllm_testing.serve_harness import Server, start_server
 
@@ -48,8 +49,15 @@ def num_speculative_tokens() -> int:
 @pytest.fixture(scope="package")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = json.dumps({"method": "ngram", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS})
+    # Speculating and serving a LoRA adapter, so that it exports every metric family.
+    adapter = demo_adapter(tmp_path_factory.mktemp("adapter") / "sql")
     server = start_server(
-        tmp_path_factory.mktemp("speculating-node"), "--speculative-config", config
+        tmp_path_factory.mktemp("speculating-node"),
+        "--speculative-config",
+        config,
+        "--enable-lora",
+        "--lora-modules",
+        f"sql={adapter}",
     )
     yield server
     server.stop()

@@ -1,7 +1,7 @@
 """The metrics reference of the documentation (docs/hooks/reference_metrics.py, generated from
-the metrics' definitions) names exactly the metric families a live node, speculating, and a
-router in front of it export: none missing from the reference, none in it that nothing
-exports."""
+the metrics' definitions) names exactly the metric families a live node (speculating, serving
+a LoRA adapter) and a router in front of it export: none missing from the reference, none
+in it that nothing exports."""
 
 from __future__ import annotations
 
