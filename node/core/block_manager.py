@@ -13,9 +13,8 @@ from pagedllm.lora.request import LoRARequest
 
 
 def adapter_key(lora: LoRARequest | None) -> str | None:
-    """What identifies an adapter's K/V: its name and its directory (a name unloaded and
-    loaded again from elsewhere is another adapter)."""
-    return None if lora is None else f"{lora.lora_name}@{lora.lora_path}"
+    """The adapter's identity (``LoRARequest.key``) in the root hash's text."""
+    return None if lora is None else "@".join(lora.key)
 
 
 def root_hash(seed: int, adapter: str | None = None) -> bytes:

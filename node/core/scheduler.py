@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from pagedllm.core import reporting
 from pagedllm.core.beam_search import BeamSearch
-from pagedllm.core.block_manager import BlockManager, adapter_key
+from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.kv_map import waste_fraction
 from pagedllm.core.ngram_proposer import propose
 from pagedllm.core.reporting import SchedulerStats, SpecDecodeStats
@@ -181,8 +181,8 @@ class Scheduler:
             if self.config.speculative is None
             else replace(self.spec_stats, accepted_per_pos=list(self.spec_stats.accepted_per_pos)),
             max_loras=self.config.max_loras,
-            running_adapters=_adapters(self.running),
-            waiting_adapters=_adapters(self.waiting),
+            running_adapters=_adapters(self.running) if self.config.max_loras else (),
+            waiting_adapters=_adapters(self.waiting) if self.config.max_loras else (),
         )
 
     # ----- scheduling ----------------------------------------------------------------------
@@ -263,7 +263,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed))
         return self._plan(scheduled, drafts)
 
-    def _waits_for_adapter(self, seq: Sequence, running: set[str | None]) -> bool:
+    def _waits_for_adapter(self, seq: Sequence, running: set[tuple[str, str] | None]) -> bool:
         """Whether ``seq`` needs a LoRA adapter beyond the ``max_loras`` already running."""
         name = _adapter(seq)
         return (
@@ -546,8 +546,9 @@ class Scheduler:
         self._append(seq, sample, 0)
 
 
-def _adapter(seq: Sequence) -> str | None:
-    return adapter_key(seq.request.lora)
+def _adapter(seq: Sequence) -> tuple[str, str] | None:
+    lora = seq.request.lora
+    return None if lora is None else lora.key
 
 
 def _adapters(seqs: Iterable[Sequence]) -> tuple[str, ...]:

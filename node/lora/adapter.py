@@ -1,5 +1,5 @@
-"""A PEFT LoRA adapter's weights, loaded for a worker: checked as ``peft_files`` checks the
-files, then each projection's ``(A, B)`` in the model's dtype with the scale folded into B."""
+"""A PEFT LoRA adapter's weights, loaded for a worker once ``peft_files`` has checked its
+files: each projection's ``(A, B)`` in the model's dtype with the scale folded into B."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from pagedllm.lora.peft_files import WEIGHTS_FILE, Shapes, inspect_adapter, tensor_key
+from pagedllm.lora.peft_files import WEIGHTS_FILE, AdapterFiles, tensor_key
 
 
 @dataclass
@@ -20,18 +20,10 @@ class LoRAWeights:
     rank: int
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.modules.values())
 
-    @property
-    def shapes(self) -> Shapes:
-        return {key: (a.shape[1], b.shape[0]) for key, (a, b) in self.modules.items()}
-
-
-def load_adapter(path: str, max_rank: int, dtype: torch.dtype) -> LoRAWeights:
-    """The adapter at ``path``, its scale folded into B, in ``dtype`` on the CPU."""
-    files = inspect_adapter(path, max_rank)
+def load_adapter(path: str, files: AdapterFiles, dtype: torch.dtype) -> LoRAWeights:
+    """The adapter at ``path`` (its checked ``files``), its scale folded into B, in ``dtype``
+    on the CPU."""
     try:
         tensors = load_file(Path(path) / WEIGHTS_FILE)
     except (OSError, SafetensorError) as e:

@@ -29,15 +29,10 @@ class LoRAContext:
     """What a step's linear layers share: the active adapters in slot order, their largest
     rank, and each token's slot as a one-hot ``[T, S]`` (None when every token has slot 0)."""
 
-    names: tuple[str, ...] = ()
     adapters: tuple[LoRAWeights, ...] = ()
     rank: int = 0
     one_hot: torch.Tensor | None = None
-    version: int = 0  # bumped when names change, so that the layers rebuild their stacks
-
-    @property
-    def active(self) -> bool:
-        return bool(self.names)
+    version: int = 0  # bumped when the adapters change, so that the layers rebuild their stacks
 
 
 @dataclass
@@ -75,7 +70,7 @@ class LoRALinear:
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (this layer's base output for ``x``) plus the adapters' products."""
         ctx = self.context
-        if not ctx.active:
+        if not ctx.adapters:
             return out
         if self._version != ctx.version:
             self._stack(x.dtype, x.device)

@@ -12,7 +12,7 @@ from torch import nn
 
 from pagedllm.lora.adapter import LoRAWeights, load_adapter
 from pagedllm.lora.layers import LoRAContext, LoRALinear
-from pagedllm.lora.peft_files import check_shapes
+from pagedllm.lora.peft_files import check_adapter
 from pagedllm.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
@@ -72,57 +72,47 @@ class LoRAManager:
     def load(self, request: LoRARequest) -> LoRAWeights:
         """The adapter's weights, loaded and checked on first use (``ValueError`` if they
         cannot serve this model), the least recently used one dropped beyond the LRU's size.
-        An adapter is its name and directory: a name unloaded and loaded again from another
-        directory at runtime is another adapter (as it is to the prefix cache)."""
-        key = (request.lora_name, request.lora_path)
-        held = self.loaded.get(key)
+        Held by ``request.key``: a name loaded again from another directory is another
+        adapter (as it is to the prefix cache)."""
+        held = self.loaded.get(request.key)
         if held is not None:
-            self.loaded.move_to_end(key)
+            self.loaded.move_to_end(request.key)
             return held
-        weights = load_adapter(request.lora_path, self.max_lora_rank, self.dtype)
-        check_shapes(request.lora_name, weights.shapes, self.shapes)
-        self.loaded[key] = weights
+        path = request.lora_path
+        files = check_adapter(request.lora_name, path, self.max_lora_rank, self.shapes)
+        weights = load_adapter(path, files, self.dtype)
+        self.loaded[request.key] = weights
         self.num_loads += 1
         while len(self.loaded) > self.max_cpu_loras:
             (dropped, _), _ = self.loaded.popitem(last=False)
             log.info("LoRA adapter %s dropped from memory (--max-cpu-loras)", dropped)
-        log.info("LoRA adapter %s loaded from %s", request.lora_name, request.lora_path)
+        log.info("LoRA adapter %s loaded from %s", request.lora_name, path)
         return weights
 
     def prepare(self, tokens: list[tuple[LoRARequest | None, int]], device: torch.device) -> None:
         """Set the step's adapters: ``tokens`` gives, in batch order, each sequence's adapter
         (or None) and its number of tokens."""
-        keys: list[tuple[str, str] | None] = [
-            None if r is None else (r.lora_name, r.lora_path) for r, _ in tokens
-        ]
+        slot_of: dict[tuple[str, str], int] = {}  # adapter key -> its slot, in first-seen order
         active: list[LoRARequest] = []
-        for (request, _), key in zip(tokens, keys, strict=True):
-            if request is not None and key not in [(a.lora_name, a.lora_path) for a in active]:
+        for request, _ in tokens:
+            if request is not None and request.key not in slot_of:
+                slot_of[request.key] = len(active)
                 active.append(request)
         if len(active) > self.max_loras:
             raise ValueError(f"a step with {len(active)} adapters; at most {self.max_loras}")
         ctx = self.context
-        if not active:
-            ctx.names, ctx.adapters, ctx.one_hot = (), (), None
-            return
         adapters = tuple(self.load(request) for request in active)
-        names = tuple(r.lora_name for r in active)
-        if names != ctx.names or any(
+        if len(adapters) != len(ctx.adapters) or any(
             a is not b for a, b in zip(adapters, ctx.adapters, strict=True)
         ):
-            ctx.names, ctx.adapters = names, adapters
-            ctx.rank = max(a.rank for a in adapters)
+            ctx.adapters = adapters
+            ctx.rank = max((a.rank for a in adapters), default=0)
             ctx.version += 1
-        if len(active) == 1 and all(r is not None for r, _ in tokens):
-            ctx.one_hot = None  # every token has the one adapter
+        if not active or (len(active) == 1 and all(r is not None for r, _ in tokens)):
+            ctx.one_hot = None  # no adapter, or every token has the one adapter
             return
-        slot_of = {(a.lora_name, a.lora_path): s for s, a in enumerate(active)}
         slots = torch.tensor(
-            [
-                -1 if key is None else slot_of[key]
-                for key, (_, n) in zip(keys, tokens, strict=True)
-                for _ in range(n)
-            ]
+            [-1 if r is None else slot_of[r.key] for r, n in tokens for _ in range(n)]
         )
         one_hot = torch.zeros(len(slots), len(active), dtype=self.dtype)  # the model's dtype
         has = slots >= 0

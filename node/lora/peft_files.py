@@ -142,6 +142,14 @@ def inspect_adapter(path: str, max_rank: int) -> AdapterFiles:
     return AdapterFiles(rank, scale, pair_shapes(halves, rank))
 
 
+def check_adapter(name: str, path: str, max_rank: int, model: Shapes) -> AdapterFiles:
+    """The adapter at ``path`` as its files describe it, checked against the model's
+    projections (``ValueError`` naming the problem)."""
+    files = inspect_adapter(path, max_rank)
+    check_shapes(name, files.shapes, model)
+    return files
+
+
 def check_shapes(name: str, adapter: Shapes, model: Shapes) -> None:
     """``ValueError`` unless every product of the adapter fits a projection of the model."""
     for (layer, module), (fan_in, fan_out) in adapter.items():

@@ -19,6 +19,12 @@ class LoRARequest:
     lora_int_id: int
     lora_path: str
 
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies the adapter's weights and K/V: its name and its directory (a name
+        unloaded and loaded again from elsewhere is another adapter)."""
+        return self.lora_name, self.lora_path
+
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise ValueError("a LoRA adapter needs a non-empty name")

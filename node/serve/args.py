@@ -514,15 +514,14 @@ def lora_modules_checked(
 ) -> dict[str, str]:
     """``--lora-modules`` as name -> absolute directory, each adapter read and checked against
     the model, or ``parser.error`` naming the adapter and its problem."""
-    from pagedllm.lora.peft_files import check_shapes, inspect_adapter
+    from pagedllm.lora.peft_files import check_adapter
 
     out: dict[str, str] = {}
     for name, path in modules:
         if name in out or name in model_names:
             parser.error(f"--lora-modules: the name {name!r} is given twice")
         try:
-            files = inspect_adapter(os.path.expanduser(path), engine.max_lora_rank)
-            check_shapes(name, files.shapes, shapes)
+            check_adapter(name, os.path.expanduser(path), engine.max_lora_rank, shapes)
         except ValueError as error:
             parser.error(f"--lora-modules {name}: {error}")
         out[name] = os.path.abspath(os.path.expanduser(path))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.lora.peft_files import Shapes, check_shapes, inspect_adapter
+from pagedllm.lora.peft_files import Shapes, check_adapter
 
 
 @dataclass
@@ -25,7 +25,7 @@ class LoRARegistry:
         if name in self.adapters or name in self.reserved:
             return 400, f"The lora adapter '{name}' has already been loaded."
         try:
-            check_shapes(name, inspect_adapter(path, self.max_rank).shapes, self.shapes)
+            check_adapter(name, path, self.max_rank, self.shapes)
         except ValueError as error:
             return 400, f"cannot load LoRA adapter '{name}': {error}"
         self.adapters[name] = path

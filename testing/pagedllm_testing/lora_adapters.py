@@ -13,6 +13,14 @@ from transformers import AutoModelForCausalLM
 from pagedllm.models.demo import demo_model_dir
 
 
+def save_adapter(base: torch.nn.Module, config: LoraConfig, directory: Path, seed: int) -> Path:
+    """``config``'s adapter of ``base`` (which peft changes in place), its random weights
+    seeded, saved in ``directory`` as PEFT saves it."""
+    torch.manual_seed(seed)
+    get_peft_model(base, config).save_pretrained(directory)
+    return directory
+
+
 def demo_adapter(
     directory: Path,
     seed: int = 0,
@@ -21,10 +29,8 @@ def demo_adapter(
     alpha: int = 64,
 ) -> Path:
     """An adapter of the built-in demo model, saved in ``directory``."""
-    torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(demo_model_dir(), dtype=torch.float32)
     config = LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=list(modules), init_lora_weights=False
     )
-    get_peft_model(base, config).save_pretrained(directory)
-    return directory
+    return save_adapter(base, config, directory, seed)

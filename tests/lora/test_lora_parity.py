@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM
 
 from pagedllm.llm import LLM
@@ -16,6 +16,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.models.demo import demo_model_dir
 from pagedllm.models.named import named_model_path
 from pagedllm.sampling_params import SamplingParams
+from pagedllm_testing.lora_adapters import save_adapter
 
 MAX_TOKENS = 12
 ADAPTERS = {
@@ -56,13 +57,10 @@ def load_hf(model: Path) -> torch.nn.Module:
 
 def make_adapters(model: Path, directory: Path) -> dict[str, Path]:
     """Each adapter of ``ADAPTERS``, seeded, saved as PEFT saves it."""
-    out = {}
-    for seed, (name, config) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(seed)
-        peft_model = get_peft_model(load_hf(model), config)
-        out[name] = directory / name
-        peft_model.save_pretrained(out[name])
-    return out
+    return {
+        name: save_adapter(load_hf(model), config, directory / name, seed)
+        for seed, (name, config) in enumerate(ADAPTERS.items())
+    }
 
 
 def hf_greedy(model: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:

@@ -9,26 +9,20 @@ import struct
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
 from pagedllm.lora.adapter import load_adapter
 from pagedllm.lora.peft_files import inspect_adapter, read_header
-from pagedllm.models.demo import demo_model_dir
 from pagedllm.serve.args import lora_module
+from pagedllm_testing.lora_adapters import demo_adapter
 
 
 def test_the_files_describe_the_weights(tmp_path):
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(demo_model_dir(), dtype=torch.float32)
-    config = LoraConfig(
-        r=4, lora_alpha=12, target_modules=["k_proj", "up_proj"], init_lora_weights=False
-    )
-    get_peft_model(base, config).save_pretrained(tmp_path)
+    demo_adapter(tmp_path, modules=["k_proj", "up_proj"], rank=4, alpha=12)
     files = inspect_adapter(str(tmp_path), max_rank=8)
-    weights = load_adapter(str(tmp_path), 8, torch.float32)
+    weights = load_adapter(str(tmp_path), files, torch.float32)
     assert files.rank == weights.rank == 4 and files.scale == 3.0
-    assert files.shapes == weights.shapes
+    shapes = {key: (a.shape[1], b.shape[0]) for key, (a, b) in weights.modules.items()}
+    assert files.shapes == shapes
     assert {module for _, module in files.shapes} == {"k_proj", "up_proj"}
 
 
