@@ -109,12 +109,7 @@ class LoRAManager:
             ctx.rank = max((a.rank for a in adapters), default=0)
             ctx.version += 1
         if not active or (len(active) == 1 and all(r is not None for r, _ in tokens)):
-            ctx.one_hot = None  # no adapter, or every token has the one adapter
+            ctx.one_hot = ctx.groups = None  # no adapter, or every token has the one adapter
             return
-        slots = torch.tensor(
-            [-1 if r is None else slot_of[r.key] for r, n in tokens for _ in range(n)]
-        )
-        one_hot = torch.zeros(len(slots), len(active), dtype=self.dtype)  # the model's dtype
-        has = slots >= 0
-        one_hot[has.nonzero()[:, 0], slots[has]] = 1
-        ctx.one_hot = one_hot.to(device)
+        slots = [-1 if r is None else slot_of[r.key] for r, n in tokens for _ in range(n)]
+        ctx.assign(slots, self.dtype, device)
