@@ -109,7 +109,8 @@ class LoRAManager:
             ctx.rank = max((a.rank for a in adapters), default=0)
             ctx.version += 1
         if not active or (len(active) == 1 and all(r is not None for r, _ in tokens)):
-            ctx.one_hot = ctx.groups = None  # no adapter, or every token has the one adapter
+            ctx.one_hot = ctx.runs = None  # no adapter, or every token has the one adapter
             return
-        slots = [-1 if r is None else slot_of[r.key] for r, n in tokens for _ in range(n)]
-        ctx.assign(slots, self.dtype, device)
+        ctx.assign(
+            [(-1 if r is None else slot_of[r.key], n) for r, n in tokens], self.dtype, device
+        )

@@ -1,5 +1,6 @@
 """The batched adapter products against each token's own adapter applied alone, in both forms
-a step takes: the dense one-hot form of a few tokens and the grouped form of many."""
+a step takes: the dense one-hot form of short runs (decoding) and the segmented form of long
+ones (prompts)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.lora.adapter import LoRAWeights
-from pagedllm.lora.layers import GROUPED_TOKENS, LoRAContext, LoRALinear
+from pagedllm.lora.layers import RUN_TOKENS, LoRAContext, LoRALinear
 
 IN = 24
 OUT = {"q_proj": 24, "k_proj": 8, "v_proj": 8}
@@ -35,21 +36,25 @@ def reference(x: torch.Tensor, slots: list[int], adapters: list[LoRAWeights]) ->
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("tokens", [5, GROUPED_TOKENS + 3], ids=["dense", "grouped"])
-def test_each_token_gets_its_own_adapter(tokens: int) -> None:
-    # Ranks 4 and 8 (the smaller padded), one adapter without k and v, tokens with none.
+@pytest.mark.parametrize("run", [1, RUN_TOKENS + 3], ids=["dense", "runs"])
+def test_each_token_gets_its_own_adapter(run: int) -> None:
+    # Ranks 4 and 8 (the smaller padded), one adapter without k and v, sequences with none,
+    # and two neighbours with one adapter (one run of both).
     adapters = [
         adapter(1, 8, ("q_proj", "k_proj", "v_proj")),
         adapter(2, 4, ("q_proj", "k_proj", "v_proj")),
         adapter(3, 8, ("q_proj",)),
     ]
-    slots = [(i * 7) % 4 - 1 for i in range(tokens)]  # -1, 2, 1, 0, ... every slot and none
-    x = torch.randn(tokens, IN, dtype=torch.float64)
-    base = torch.randn(tokens, sum(OUT.values()), dtype=torch.float64)
+    sequences = [(slot, run + i % 3) for i, slot in enumerate([-1, 2, 1, 1, 0, -1, 0, 2, 1])]
+    slots = [slot for slot, n in sequences for _ in range(n)]
+    x = torch.randn(len(slots), IN, dtype=torch.float64)
+    base = torch.randn(len(slots), sum(OUT.values()), dtype=torch.float64)
     context = LoRAContext(tuple(adapters), rank=8, version=1)
-    context.assign(slots, torch.float64, torch.device("cpu"))
-    assert (context.groups is None) == (tokens < GROUPED_TOKENS)
-    assert (context.one_hot is None) == (tokens >= GROUPED_TOKENS)
+    context.assign(sequences, torch.float64, torch.device("cpu"))
+    assert (context.runs is None) == (run == 1)
+    assert (context.one_hot is None) == (run > 1)
+    if context.runs is not None:
+        assert len(context.runs) == 6  # the neighbours with slot 1 made one run
     layer = LoRALinear(context, 3, tuple(OUT), tuple(OUT.values()), IN)
     got = layer.add(x, base.clone())
     as64 = [
