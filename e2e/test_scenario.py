@@ -32,7 +32,7 @@ from pagedllm_testing.cluster_autoscaler_standin import ClusterAutoscalerStandin
 from pagedllm_testing.deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
 from pagedllm_testing.emulator.requests import MUTATING_METHODS
 from pagedllm_testing.gitops_standin import GitOpsStandin
-from pagedllm_testing.kubelet_standin import HOST_PORTS_ANNOTATION
+from pagedllm_testing.kubelet_standin import local_url
 from pagedllm_testing.local_cluster import (
     FAST_OPERATOR_ENV,
     GPU_GROUP,
@@ -128,12 +128,6 @@ def routers(cluster: LocalCluster) -> list[dict[str, Any]]:
 
 def ready_routers(cluster: LocalCluster) -> list[dict[str, Any]]:
     return [p for p in routers(cluster) if is_pod_ready(p)]
-
-
-def local_url(pod: dict[str, Any]) -> str:
-    """The pod's HTTP port on loopback (the kubelet stand-in's mapping of port 8000)."""
-    ports = json.loads(pod["metadata"]["annotations"][HOST_PORTS_ANNOTATION])
-    return f"http://127.0.0.1:{ports['8000']}"
 
 
 def pagedllm(cluster: LocalCluster) -> dict[str, Any]:

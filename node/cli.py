@@ -16,11 +16,11 @@ that `--help` and argument errors answer at once.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pagedllm.hub import HF_URI, HF_URI_FORMS
 from pagedllm.router.args import RouterArgs, add_router_arguments, router_args
 from pagedllm.serve.args import add_serve_arguments, byte_size, positive_int, serve_args
 
@@ -42,14 +42,6 @@ TOKENIZER_FILES = (
     "config.json",
     "generation_config.json",
 )
-
-# hf://ORG/NAME[@REVISION][/FILE.gguf]: a repository, or one GGUF file of it. The revision is
-# matched lazily, so that one holding slashes (refs/pr/1) still leaves the file name apart.
-HF_URI = re.compile(
-    r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[\w./-]+?))?"
-    r"(/(?P<file>[\w.-]+\.gguf))?$"
-)
-HF_URI_FORMS = "hf://ORG/NAME[@REVISION] or hf://ORG/NAME[@REVISION]/FILE.gguf"
 
 
 def build_parser() -> argparse.ArgumentParser:

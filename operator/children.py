@@ -6,6 +6,8 @@ objects: nothing is ever duplicated, whatever restarts in between.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +17,7 @@ from pagedllm.operator.spec import (
     GROUP,
     KIND,
     PLURAL,
+    AdapterSpec,
     AutoscalingMode,
     ModelSourceKind,
     PagedLLMSpec,
@@ -36,6 +39,12 @@ HTTP_PORT = 8000
 MODEL_DIR = "/models"
 CACHE_DIR = "/var/cache/pagedllm"
 HOME_DIR = "/home/pagedllm"
+# The adapters' ConfigMap, mounted whole (not by subPath, which the kubelet never refreshes):
+# the node watches the file, so a changed list reaches running pods without a restart.
+ADAPTERS_DIR = "/etc/pagedllm/adapters"
+ADAPTERS_KEY = "adapters.json"
+# Where adapter claims other than the model's are mounted, each under its own name.
+ADAPTER_CLAIMS_DIR = "/adapters"
 RUN_AS_USER = 1000
 # Time for endpoints to drop a stopping pod before it is told to drain.
 PRE_STOP_SECONDS = 5
@@ -219,7 +228,103 @@ def serve_args(spec: PagedLLMSpec, model_path: str | None) -> list[str]:
         args += ["--speculative-config", engine.speculative.to_json()]
     if spec.observability.otlp_endpoint is not None:
         args += ["--otlp-traces-endpoint", spec.observability.otlp_endpoint]
-    return args + list(engine.extra_args)
+    return args + lora_args(spec) + list(engine.extra_args)
+
+
+def lora_args(spec: PagedLLMSpec) -> list[str]:
+    """The node's LoRA flags. The adapters themselves are not among them: they come from the
+    mounted file, so that changing them changes no pod template."""
+    if not spec.lora_enabled:
+        return []
+    lora = spec.lora_settings
+    args = [
+        "--enable-lora",
+        "--max-loras",
+        str(lora.max_loras),
+        "--max-lora-rank",
+        str(lora.max_lora_rank),
+    ]
+    if lora.max_cpu_loras is not None:
+        args += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+    return args + ["--lora-modules-file", f"{ADAPTERS_DIR}/{ADAPTERS_KEY}"]
+
+
+def adapters_config_map_name(owner_name: str) -> str:
+    return f"{owner_name}-adapters"
+
+
+def _adapter_claims(spec: PagedLLMSpec) -> list[str]:
+    """The claims adapters live on that the pods do not mount for the model, in first-use
+    order."""
+    model = spec.model.source
+    model_claim = model.claim if model.kind is ModelSourceKind.PVC else None
+    claims: list[str] = []
+    for adapter in spec.adapters:
+        claim = adapter.source.claim
+        if adapter.source.kind is ModelSourceKind.PVC and claim != model_claim:
+            if claim not in claims:
+                claims.append(claim)
+    return claims
+
+
+def _claim_volume_name(claim: str) -> str:
+    # Claim names may be 253 characters, volume names 63: a digest keeps them apart.
+    return f"adapters-{hashlib.sha256(claim.encode()).hexdigest()[:12]}"
+
+
+def adapter_location(spec: PagedLLMSpec, adapter: AdapterSpec) -> str:
+    """Where the node finds the adapter: a path in the container, or an hf:// URI that it
+    downloads itself (an init container cannot run for a pod that already serves)."""
+    source = adapter.source
+    if source.kind is ModelSourceKind.HUGGING_FACE:
+        return source.hub_uri
+    if source.kind is ModelSourceKind.PVC:
+        model = spec.model.source
+        if model.kind is ModelSourceKind.PVC and model.claim == source.claim:
+            return f"{MODEL_DIR}/{source.path}"
+        return f"{ADAPTER_CLAIMS_DIR}/{source.claim}/{source.path}"
+    return source.path
+
+
+def adapters_file(spec: PagedLLMSpec) -> str:
+    """The content of the node's --lora-modules-file: the adapters in spec order."""
+    entries = [
+        {"name": a.name, "uri": adapter_location(spec, a), "preload": a.preload}
+        for a in spec.adapters
+    ]
+    return json.dumps(entries, indent=2) + "\n"
+
+
+def build_adapters_config_map(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(owner, adapters_config_map_name(owner.name)),
+        "data": {ADAPTERS_KEY: adapters_file(spec)},
+    }
+
+
+def _adapter_volumes(
+    owner: Owner, spec: PagedLLMSpec
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The adapters' ConfigMap and the adapter claims, with their read-only mounts."""
+    if not spec.lora_enabled:
+        return [], []
+    volumes: list[dict[str, Any]] = [
+        {"name": "adapters", "configMap": {"name": adapters_config_map_name(owner.name)}}
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "adapters", "mountPath": ADAPTERS_DIR, "readOnly": True}
+    ]
+    for claim in _adapter_claims(spec):
+        name = _claim_volume_name(claim)
+        volumes.append(
+            {"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        )
+        mounts.append(
+            {"name": name, "mountPath": f"{ADAPTER_CLAIMS_DIR}/{claim}", "readOnly": True}
+        )
+    return volumes, mounts
 
 
 def _container_security_context() -> dict[str, Any]:
@@ -357,6 +462,9 @@ def build_pod_template(owner: Owner, spec: PagedLLMSpec) -> dict[str, Any]:
         mounts += model_mounts
         if source.kind is ModelSourceKind.HUGGING_FACE:
             init_containers.append(_download_container(spec, MODEL_DIR))
+    adapter_volumes, adapter_mounts = _adapter_volumes(owner, spec)
+    volumes += adapter_volumes
+    mounts += adapter_mounts
 
     env = _writable_dirs_env()
     # The worker's compute threads: the CPUs the pod requests (rounded up), not every core of
@@ -729,11 +837,18 @@ def build_children(
 ) -> Children:
     """`routers_in_front`: whether the Service may select the routers yet (with
     spec.router.enabled); see reconcile."""
-    wanted = [
+    wanted = []
+    unwanted = []
+    adapters = ChildRef("v1", "ConfigMap", adapters_config_map_name(owner.name))
+    if spec.lora_enabled:
+        # Before the Deployment: its pods mount it.
+        wanted.append(build_adapters_config_map(owner, spec))
+    else:
+        unwanted.append(adapters)
+    wanted += [
         build_deployment(owner, spec, replicas),
         build_service(owner, spec, routers_in_front),
     ]
-    unwanted = []
     pdb = ChildRef("policy/v1", "PodDisruptionBudget", owner.name)
     if replicas > 1:
         wanted.append(build_disruption_budget(owner))

@@ -218,3 +218,12 @@ async def disruption_budget_changed(
 ) -> None:
     if event.get("type") == "DELETED":
         await _reconcile_owner(event, meta, memo, logger)
+
+
+@kopf.on.event("v1", "configmaps", labels=MANAGED)
+async def adapters_changed(
+    event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    """The adapters' list deleted or edited by hand: put it back before pods drop them."""
+    if event.get("type") in ("DELETED", "MODIFIED"):
+        await _reconcile_owner(event, meta, memo, logger)

@@ -16,6 +16,7 @@ from pagedllm.operator.kube import KubeClient
 CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("apps/v1", "Deployment"),
     ("v1", "Service"),
+    ("v1", "ConfigMap"),
     ("policy/v1", "PodDisruptionBudget"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("v1", "ServiceAccount"),

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.operator.autoscaler import parse_prometheus_value
 from pagedllm.operator.children import HTTP_PORT, METRICS_PORT_ANNOTATION
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def is_ready(pod: Mapping[str, Any]) -> bool:
@@ -41,7 +43,9 @@ def metrics_url(pod: Mapping[str, Any]) -> str | None:
     return f"http://{host}:{port}/metrics"
 
 
-async def _read_one(client: httpx.AsyncClient, url: str, metric_name: str) -> float | None:
+async def _read_one(
+    client: httpx.AsyncClient, url: str, metric_name: str, parse: Callable[[str, str], T | None]
+) -> T | None:
     try:
         response = await client.get(url)
         response.raise_for_status()
@@ -49,7 +53,7 @@ async def _read_one(client: httpx.AsyncClient, url: str, metric_name: str) -> fl
         logger.info("metrics of %s unavailable: %s", url, error)
         return None
     try:
-        value = parse_prometheus_value(response.text, metric_name)
+        value = parse(response.text, metric_name)
     except ValueError as error:
         logger.info("%s is not Prometheus text: %s", url, error)
         return None
@@ -58,16 +62,52 @@ async def _read_one(client: httpx.AsyncClient, url: str, metric_name: str) -> fl
     return value
 
 
-async def read_ready_pods(
-    pods: Sequence[Mapping[str, Any]], metric_name: str, timeout: float
-) -> list[float]:
-    """The metric of every ready pod that answered in time."""
+async def _read_ready(
+    pods: Sequence[Mapping[str, Any]],
+    metric_name: str,
+    timeout: float,
+    parse: Callable[[str, str], T | None],
+) -> list[T]:
     urls = [url for pod in pods if is_ready(pod) and (url := metrics_url(pod)) is not None]
     if not urls:
         return []
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
-        values = await asyncio.gather(*(_read_one(client, url, metric_name) for url in urls))
+        values = await asyncio.gather(*(_read_one(client, url, metric_name, parse) for url in urls))
     return [value for value in values if value is not None]
+
+
+async def read_ready_pods(
+    pods: Sequence[Mapping[str, Any]], metric_name: str, timeout: float
+) -> list[float]:
+    """The metric of every ready pod that answered in time."""
+    return await _read_ready(pods, metric_name, timeout, parse_prometheus_value)
+
+
+# The node's gauge: 1 for each adapter it serves, 0 for one it no longer serves.
+ADAPTER_SERVED_METRIC = "pagedllm:lora_adapter_served"
+
+
+def served_adapters(text: str, metric_name: str = ADAPTER_SERVED_METRIC) -> frozenset[str] | None:
+    """The adapters a node's /metrics says it serves (None when it has no such gauge: a node
+    without LoRA, or of a version before it). Raises ValueError for text that is not in the
+    exposition format."""
+    found = False
+    served = set()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == metric_name:
+                found = True
+                if sample.value == 1 and sample.labels.get("adapter"):
+                    served.add(sample.labels["adapter"])
+    return frozenset(served) if found else None
+
+
+async def read_served_adapters(
+    pods: Sequence[Mapping[str, Any]], timeout: float
+) -> list[frozenset[str]]:
+    """The adapters each ready pod that answered in time serves (from /metrics, which needs
+    no API key: the operator never holds one)."""
+    return await _read_ready(pods, ADAPTER_SERVED_METRIC, timeout, served_adapters)
 
 
 # The routers' gauge of requests waiting for a ready serving pod (scale from zero).

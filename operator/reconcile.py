@@ -26,7 +26,12 @@ from pagedllm.operator.config import OperatorConfig
 from pagedllm.operator.drift import first_difference, stamped
 from pagedllm.operator.kube import KubeClient, now_rfc3339
 from pagedllm.operator.live import FreshReads, Live, Snapshot
-from pagedllm.operator.pod_metrics import is_ready, read_held_requests, read_ready_pods
+from pagedllm.operator.pod_metrics import (
+    is_ready,
+    read_held_requests,
+    read_ready_pods,
+    read_served_adapters,
+)
 from pagedllm.operator.spec import (
     API_VERSION,
     KIND,
@@ -93,12 +98,17 @@ class OperatorContext:
 
 
 async def _check_references(kube: KubeClient, owner: Owner, spec: PagedLLMSpec) -> None:
-    """What the schema cannot know: the model's claim must exist."""
+    """What the schema cannot know: the claims of the model and the adapters must exist."""
+    claims = {}
     if spec.model.source.kind is ModelSourceKind.PVC:
-        claim = spec.model.source.claim
+        claims[spec.model.source.claim] = "spec.model.uri"
+    for adapter in spec.adapters:
+        if adapter.source.kind is ModelSourceKind.PVC:
+            claims.setdefault(adapter.source.claim, f"the uri of adapter {adapter.name!r}")
+    for claim, where in claims.items():
         if await kube.get("v1", "PersistentVolumeClaim", claim, owner.namespace) is None:
             raise InvalidSpec(
-                f'PersistentVolumeClaim "{claim}" (from spec.model.uri) does not '
+                f'PersistentVolumeClaim "{claim}" (from {where}) does not '
                 f'exist in namespace "{owner.namespace}"'
             )
     # A missing API-key Secret is not looked up here (that would need read access to every
@@ -179,9 +189,13 @@ async def _apply_children(
             await ctx.kube.delete(ref.api_version, ref.kind, ref.name, owner.namespace)
 
 
-async def _observe(live: Live, owner: Owner, spec: PagedLLMSpec) -> Observed:
+async def _observe(
+    live: Live, owner: Owner, spec: PagedLLMSpec, metrics_timeout: float
+) -> Observed:
     deployment = await live.get("apps/v1", "Deployment", owner.name)
-    observed = Observed(deployment=deployment, pods=await live.pods(selector_labels(owner.name)))
+    pods = await live.pods(selector_labels(owner.name))
+    served = await read_served_adapters(pods, metrics_timeout) if spec.adapters else []
+    observed = Observed(deployment=deployment, pods=pods, served_adapters=served)
     if not spec.router.enabled:
         return observed
     router = RouterObserved(
@@ -304,7 +318,7 @@ async def _reconcile(
         )
         await _write_status(ctx, body, status)
         raise
-    observed = await _observe(live, owner, spec)
+    observed = await _observe(live, owner, spec, ctx.config.metrics_timeout_seconds)
     status = compute_status(
         generation=generation,
         desired=replicas,
@@ -313,6 +327,7 @@ async def _reconcile(
         observed=observed,
         previous=body.get("status") or {},
         now=now_rfc3339(),
+        adapters=[adapter.name for adapter in spec.adapters],
     )
     await _write_status(ctx, body, status, quiet)
 

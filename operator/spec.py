@@ -242,6 +242,32 @@ class SecretKeyRef:
     key: str = "api-key"
 
 
+# An adapter's name is what requests put as their model and a label of the pods' metrics.
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+ADAPTER_NAME_MAX = 128
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One LoRA adapter the pods may serve (spec.adapters[])."""
+
+    name: str
+    # An image path, a claim's path or a Hub repository (never the demo model, never a
+    # single GGUF file: adapters are PEFT directories).
+    source: ModelSource
+    # Loaded before a pod reports Ready; the others are loaded once it serves.
+    preload: bool = False
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """spec.lora: the node's LoRA settings (vLLM's names and defaults)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+
 @dataclass(frozen=True)
 class PagedLLMSpec:
     model: ModelSpec
@@ -259,6 +285,18 @@ class PagedLLMSpec:
     drain_timeout_seconds: int = 60
     router: RouterSpec = field(default_factory=RouterSpec)
     observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
+    adapters: tuple[AdapterSpec, ...] = ()
+    lora: LoRASpec | None = None
+
+    @property
+    def lora_enabled(self) -> bool:
+        """LoRA is on with adapters, or with spec.lora alone (so that the first adapter added
+        later changes no pod template: no rollout)."""
+        return bool(self.adapters) or self.lora is not None
+
+    @property
+    def lora_settings(self) -> LoRASpec:
+        return self.lora or LoRASpec()
 
     @property
     def requests_gpus(self) -> bool:
@@ -420,7 +458,81 @@ def parse_spec(raw: Mapping[str, Any]) -> PagedLLMSpec:
         env=tuple(raw.get("env") or ()),
         drain_timeout_seconds=_pick(raw, "drainTimeoutSeconds", 60, int, ""),
         observability=parse_observability(_section(raw, "observability")),
+        adapters=parse_adapters(raw.get("adapters"), served_name),
+        lora=parse_lora(raw.get("lora")),
     )
+
+
+def parse_adapter_uri(uri: Any, where: str) -> ModelSource:
+    """An adapter's uri: the model's grammar, less the demo model and GGUF files."""
+    if not isinstance(uri, str) or not uri:
+        raise InvalidSpec(f"{where}.uri is required")
+    try:
+        source = parse_model_uri(uri)
+    except InvalidSpec as error:
+        raise InvalidSpec(f"{where}.uri: {error}".replace("model uri ", "")) from None
+    if source.file or source.path.endswith(".gguf"):
+        raise InvalidSpec(
+            f"{where}.uri {uri!r}: an adapter is a PEFT directory (adapter_config.json and "
+            "adapter_model.safetensors), not a GGUF file"
+        )
+    return source
+
+
+def parse_adapters(raw: Any, served_name: str) -> tuple[AdapterSpec, ...]:
+    """spec.adapters: names unique, none the model's own, each uri in the model's grammar."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise InvalidSpec("spec.adapters must be a list of {name, uri, preload}")
+    adapters: list[AdapterSpec] = []
+    for index, item in enumerate(raw):
+        where = f"spec.adapters[{index}]"
+        if not isinstance(item, Mapping):
+            raise InvalidSpec(f"{where} must be an object with name, uri and preload")
+        unknown = sorted(set(item) - {"name", "uri", "preload"})
+        if unknown:
+            raise InvalidSpec(f"{where}: unknown fields {unknown}; known: name, uri, preload")
+        name = item.get("name")
+        if (
+            not isinstance(name, str)
+            or len(name) > ADAPTER_NAME_MAX
+            or not _ADAPTER_NAME.fullmatch(name)
+        ):
+            raise InvalidSpec(
+                f"{where}.name: {name!r} is not an adapter name (letters, digits, '-', '_' and "
+                f"'.', starting and ending with a letter or digit, at most {ADAPTER_NAME_MAX})"
+            )
+        if name == served_name:
+            raise InvalidSpec(f"{where}.name: {name!r} is spec.model.servedName, the base model")
+        if any(adapter.name == name for adapter in adapters):
+            raise InvalidSpec(f"{where}.name: {name!r} is given twice")
+        preload = _pick(item, "preload", False, bool, f"adapters[{index}].")
+        adapters.append(AdapterSpec(name, parse_adapter_uri(item.get("uri"), where), preload))
+    return tuple(adapters)
+
+
+def parse_lora(raw: Any) -> LoRASpec | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise InvalidSpec("spec.lora must be an object")
+    defaults = LoRASpec()
+    lora = LoRASpec(
+        max_loras=_pick(raw, "maxLoras", defaults.max_loras, int, "lora."),
+        max_lora_rank=_pick(raw, "maxLoraRank", defaults.max_lora_rank, int, "lora."),
+        max_cpu_loras=_pick(raw, "maxCpuLoras", None, int, "lora."),
+    )
+    for key, value in (
+        ("maxLoras", lora.max_loras),
+        ("maxLoraRank", lora.max_lora_rank),
+        ("maxCpuLoras", lora.max_cpu_loras),
+    ):
+        if value is not None and value < 1:
+            raise InvalidSpec(f"spec.lora.{key} must be at least 1")
+    if lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
+        raise InvalidSpec("spec.lora.maxCpuLoras must not be below maxLoras")
+    return lora
 
 
 def parse_observability(raw: Mapping[str, Any]) -> ObservabilitySpec:

@@ -95,6 +95,18 @@ class Observed:
     deployment: Mapping[str, Any] | None
     pods: Sequence[Mapping[str, Any]]
     router: RouterObserved | None = None
+    # The adapters each ready serving pod that answered reports served (its /metrics).
+    served_adapters: Sequence[frozenset[str]] = ()
+
+
+def adapters_status(
+    names: Sequence[str], served: Sequence[frozenset[str]]
+) -> list[dict[str, Any]] | None:
+    """status.adapters: each adapter of the spec and how many pods serve it; None (the field
+    removed by the merge patch) when the spec lists none."""
+    if not names:
+        return None
+    return [{"name": name, "loadedPods": sum(name in pod for pod in served)} for name in names]
 
 
 def router_condition(router: RouterObserved | None) -> Condition:
@@ -257,10 +269,13 @@ def compute_status(
     previous: Mapping[str, Any],
     now: str,
     spec_error: str | None = None,
+    adapters: Sequence[str] = (),
 ) -> dict[str, Any]:
+    """`adapters`: the names of spec.adapters."""
     counts = (observed.deployment or {}).get("status") or {}
     conditions = conditions_for(desired, observed, spec_error)
     return {
+        "adapters": adapters_status(adapters, observed.served_adapters),
         "observedGeneration": generation,
         "replicas": counts.get("replicas", 0),
         "readyReplicas": counts.get("readyReplicas", 0),

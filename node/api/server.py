@@ -36,6 +36,7 @@ from pagedllm.ipc.codec import WireError, decoder, encoder
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models import ModelLoadError
 from pagedllm.models.tokenizer import load_tokenizer
+from pagedllm.serve.adapter_file import AdapterFileWatcher, Answer
 from pagedllm.serve.child_process import setup_child
 from pagedllm.serve.metrics import RequestRecorder
 
@@ -64,6 +65,7 @@ class ApiServerSpec:
     otlp_traces_endpoint: str | None = None  # --otlp-traces-endpoint
     lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules
     runtime_lora_updates: bool = False  # --allow-runtime-lora-updating
+    lora_modules_file: str | None = None  # --lora-modules-file, watched by this server
 
 
 def adapter_requests(modules: dict[str, str]) -> dict[str, LoRARequest]:
@@ -188,6 +190,7 @@ async def _serve(spec: ApiServerSpec, sock: socket.socket, tokenizer: Any) -> No
         ctx.adapters = adapter_requests(adapters)
 
     client.on_adapters = adapters_changed
+    watcher = adapter_watcher(spec, client)
     config = uvicorn.Config(
         build_app(ctx, spec.api_key),
         log_config=None,
@@ -201,16 +204,36 @@ async def _serve(spec: ApiServerSpec, sock: socket.socket, tokenizer: Any) -> No
     async def report_ready() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
+        if watcher is not None:
+            # Readiness includes the preload adapters (a broken one keeps the node unready).
+            await watcher.preloaded.wait()
         client.report_ready()
 
-    ready = asyncio.get_running_loop().create_task(report_ready())
+    loop = asyncio.get_running_loop()
+    ready = loop.create_task(report_ready())
+    watching = loop.create_task(watcher.run()) if watcher is not None else None
     try:
         await server.serve(sockets=[sock])
     finally:
         ready.cancel()
+        if watching is not None:
+            watching.cancel()
         client.close()
         if tracer is not None:
             tracer.shutdown()
+
+
+def adapter_watcher(spec: ApiServerSpec, client: EngineClient) -> AdapterFileWatcher | None:
+    """The watcher of --lora-modules-file, updating adapters through the scheduler as the
+    runtime endpoints do (this server only, see the supervisor)."""
+    if spec.lora_modules_file is None:
+        return None
+
+    async def update(name: str, path: str | None) -> Answer:
+        answer = await client.update_adapter(name, path)
+        return Answer(answer.status, answer.message)
+
+    return AdapterFileWatcher(spec.lora_modules_file, update)
 
 
 if __name__ == "__main__":

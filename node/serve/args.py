@@ -67,6 +67,8 @@ class ServeArgs:
     # --allow-runtime-lora-updating (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): the load and
     # unload endpoints.
     runtime_lora_updates: bool = False
+    # --lora-modules-file: the watched list of adapters (absolute), see serve.adapter_file.
+    lora_modules_file: str | None = None
 
 
 def _integer(text: str, expected: str) -> int:
@@ -392,6 +394,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="adapters kept loaded, the least recently used dropped beyond (default: --max-loras)",
     )
     p.add_argument(
+        "--lora-modules-file",
+        default=None,
+        metavar="PATH",
+        help='a JSON list of {"name", "uri", "preload"} adapters (uri: a directory or '
+        "hf://ORG/NAME[@REVISION]), watched while the node runs: adapters added to it are "
+        "served, those taken out dropped; ready once the preload ones are served; needs "
+        "--enable-lora",
+    )
+    p.add_argument(
         "--allow-runtime-lora-updating",
         action="store_true",
         help="turn on POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
@@ -445,6 +456,7 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
         parser.error(str(error))
     if ns.lora_modules and not ns.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
+    lora_modules_file = lora_modules_file_checked(ns, parser)
     runtime_lora = ns.allow_runtime_lora_updating or os.environ.get(
         RUNTIME_LORA_ENV, ""
     ).lower() in ("1", "true")
@@ -502,7 +514,33 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
         lora_modules=lora_modules,
         lora_shapes=shapes,
         runtime_lora_updates=runtime_lora,
+        lora_modules_file=lora_modules_file,
     )
+
+
+def lora_modules_file_checked(
+    ns: argparse.Namespace, parser: argparse.ArgumentParser
+) -> str | None:
+    """``--lora-modules-file`` as an absolute path, read once here so that a file that
+    cannot serve stops the command at once (later changes are only logged when wrong)."""
+    if ns.lora_modules_file is None:
+        return None
+    if not ns.enable_lora:
+        parser.error("--lora-modules-file needs --enable-lora")
+    from pagedllm.serve.adapter_file import AdapterFileError, read_adapter_file
+
+    path = os.path.abspath(os.path.expanduser(ns.lora_modules_file))
+    try:
+        entries = read_adapter_file(path)
+    except AdapterFileError as error:
+        parser.error(f"--lora-modules-file {error}")
+    fixed = {name for name, _ in ns.lora_modules}
+    for entry in entries:
+        if entry.name in fixed:
+            parser.error(
+                f"--lora-modules-file: the adapter {entry.name!r} is in --lora-modules too"
+            )
+    return path
 
 
 def lora_modules_checked(

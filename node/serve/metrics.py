@@ -228,9 +228,26 @@ class SchedulerMetrics:
             registry=None,
             multiprocess_mode="mostrecent",
         )
+        # 1 for each adapter requests may name now, 0 for one dropped since (a series, once
+        # written, stays in the multiprocess files): what the operator's status counts.
+        self._adapter_served = Gauge(
+            "pagedllm:lora_adapter_served",
+            "1 while the LoRA adapter is served, 0 once it was unloaded.",
+            [LABEL, "adapter"],
+            registry=None,
+            multiprocess_mode="mostrecent",
+        )
+        self._adapters: set[str] = set()
         self._model = model
         # The totals last reported, so that the counters grow by the difference.
         self._totals: dict[Counter, int] = {}
+
+    def served_adapters(self, adapters: Iterable[str]) -> None:
+        """The adapters served from now on (all of them, each time the list changes)."""
+        current = set(adapters)
+        for adapter in current | self._adapters:
+            self._adapter_served.labels(self._model, adapter).set(int(adapter in current))
+        self._adapters = current
 
     def set_capacity(self, num_blocks: int) -> None:
         self.num_blocks.set(num_blocks)

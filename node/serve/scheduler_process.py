@@ -162,6 +162,8 @@ class SchedulerLoop:
             if spec.config.enable_lora
             else None
         )
+        if self.loras is not None:
+            self.metrics.served_adapters(self.loras.adapters)
 
     def _grammar_compiler(self) -> GrammarCompiler | None:
         if self.spec.tokenizer_dir is None:
@@ -327,6 +329,7 @@ class SchedulerLoop:
         else:
             status, text = self.loras.unload(message.lora_name)
         if status == 200 and self.loras is not None:
+            self.metrics.served_adapters(self.loras.adapters)
             for server in self.api_servers:
                 sockets.send(server, LoRAAdapters(dict(self.loras.adapters)))
             log.info("%s", text)

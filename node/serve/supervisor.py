@@ -272,6 +272,8 @@ class Supervisor:
                 otlp_traces_endpoint=args.otlp_traces_endpoint,
                 lora_modules=args.lora_modules,
                 runtime_lora_updates=args.runtime_lora_updates,
+                # One API server watches the file: each change is one update of the scheduler.
+                lora_modules_file=args.lora_modules_file if index == 0 else None,
             )
             self.children.append(Child("api_server", index, ApiServerProcess(spec)))
 

@@ -12,7 +12,10 @@ scheduler_standin.py); an unbound pod that is deleted just goes.
   to them; status.podIP is 127.0.0.1. The mapping is recorded on the pod for the Service
   stand-in (annotation e2e.pagedllm.io/host-ports) and for the operator's autoscaler (its
   documented pagedllm.io/metrics-port override names the metrics port).
-- Volumes: emptyDirs (any medium) are directories under ROOT/POD. Env values and args naming
+- Volumes: emptyDirs (any medium) are directories under ROOT/POD. configMap volumes are too,
+  holding a file per key (or per `items` entry), written before the containers start and
+  refreshed in place while the pod runs (every CONFIG_MAP_REFRESH_SECONDS here; within a
+  minute or so on a real kubelet), each file replaced atomically. Env values and args naming
   a mount path are rewritten to the directory, and a /tmp mount becomes TMPDIR.
 - Env: plain values, secretKeyRef and configMapKeyRef (read from the API, `optional`
   honoured), fieldRef to metadata.name, metadata.namespace and status.podIP.
@@ -35,8 +38,8 @@ scheduler_standin.py); an unbound pod that is deleted just goes.
   SIGKILL. Then the finalizer goes and so does the pod.
 
 Not emulated: images (the host's files are the image), users and security contexts,
-resource limits, liveness probes, volumes other than emptyDir, RBAC (the kubeconfig's user
-may do anything).
+resource limits, liveness probes, volumes other than emptyDir and configMap, RBAC (the
+kubeconfig's user may do anything).
 """
 
 from __future__ import annotations
@@ -77,6 +80,13 @@ IMAGE_ENV = {
 DEFAULT_GRACE_SECONDS = 30
 MAX_RESTART_BACKOFF = 20.0
 POLL_SECONDS = 0.1
+CONFIG_MAP_REFRESH_SECONDS = 1.0
+
+
+def local_url(pod: Mapping[str, Any], port: int = 8000) -> str:
+    """The pod's container port on loopback (this stand-in's mapping of it)."""
+    ports = json.loads(pod["metadata"]["annotations"][HOST_PORTS_ANNOTATION])
+    return f"http://{LOOPBACK}:{ports[str(port)]}"
 
 
 def cpu_quantity(text: str) -> float:
@@ -116,10 +126,53 @@ def free_port(taken: set[int]) -> int:
 def volume_dirs(pod_spec: Mapping[str, Any], pod_dir: Path) -> dict[str, Path]:
     dirs = {}
     for volume in pod_spec.get("volumes") or []:
-        if "emptyDir" not in volume:
-            raise PodConfigError(f"volume {volume['name']}: only emptyDir volumes run here")
+        if "emptyDir" not in volume and "configMap" not in volume:
+            raise PodConfigError(
+                f"volume {volume['name']}: only emptyDir and configMap volumes run here"
+            )
         dirs[volume["name"]] = pod_dir / volume["name"]
     return dirs
+
+
+def config_map_files(
+    source: Mapping[str, Any], config_map: Mapping[str, Any] | None
+) -> dict[str, str]:
+    """What a configMap volume holds: relative path -> content (its keys, or its `items`);
+    PodConfigError for a ConfigMap or key that is missing and not optional."""
+    name = source.get("name", "")
+    optional = bool(source.get("optional"))
+    if config_map is None:
+        if optional:
+            return {}
+        raise PodConfigError(f'configmap "{name}" not found')
+    data = config_map.get("data") or {}
+    items = source.get("items")
+    if items is None:
+        return dict(data)
+    files = {}
+    for item in items:
+        if item["key"] not in data:
+            if optional:
+                continue
+            raise PodConfigError(f'configmap "{name}" key "{item["key"]}" not found')
+        files[item["path"]] = data[item["key"]]
+    return files
+
+
+def project_files(directory: Path, files: Mapping[str, str]) -> None:
+    """Make `directory` hold exactly `files`, each changed one replaced atomically (a reader
+    sees the old content or the new one, never half of it)."""
+    for relative, content in files.items():
+        path = directory / relative
+        if path.is_file() and path.read_text() == content:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = path.with_name(f".{path.name}.tmp")
+        staged.write_text(content)
+        staged.replace(path)
+    for path in directory.rglob("*"):
+        if path.is_file() and str(path.relative_to(directory)) not in files:
+            path.unlink()
 
 
 def mounts_of(container: Mapping[str, Any], dirs: Mapping[str, Path]) -> list[tuple[str, Path]]:
@@ -338,6 +391,9 @@ class LocalPod:
         self.dirs = volume_dirs(self.spec, self.dir)
         for directory in [self.dir, *self.dirs.values()]:
             directory.mkdir(parents=True, exist_ok=True)
+        for name in self.config_map_names():
+            obj = await self.kubelet.kube.get("v1", "ConfigMap", name, self.kubelet.namespace)
+            self.project_config_maps({name: obj} if obj is not None else {})
         ports = declared_ports(self.spec)
         self.host_ports = {p["containerPort"]: free_port(self.kubelet.ports_taken) for p in ports}
         annotations = {
@@ -354,6 +410,17 @@ class LocalPod:
             {"metadata": {"annotations": annotations}},
             missing_ok=True,
         )
+
+    def config_map_names(self) -> list[str]:
+        return [v["configMap"]["name"] for v in self.spec.get("volumes") or [] if "configMap" in v]
+
+    def project_config_maps(self, config_maps: Mapping[str, Mapping[str, Any]]) -> None:
+        """Write (or refresh) every configMap volume from `config_maps` (name -> object)."""
+        for volume in self.spec.get("volumes") or []:
+            source = volume.get("configMap")
+            if source is not None:
+                files = config_map_files(source, config_maps.get(source["name"]))
+                project_files(self.dirs[volume["name"]], files)
 
     def _metrics_container_port(self, ports: Sequence[Mapping[str, Any]]) -> int | None:
         declared = self.annotations.get("prometheus.io/port")
@@ -688,6 +755,7 @@ class KubeletStandin:
         self.ports_taken: set[int] = set()
         self.http = httpx.AsyncClient(trust_env=False)
         self._stopping: set[asyncio.Task[None]] = set()
+        self._config_maps_refreshed = 0.0
 
     async def shutdown(self) -> None:
         """Kill every pod process at once (the node is lost) and stop all pod work."""
@@ -720,11 +788,29 @@ class KubeletStandin:
                     continue  # not scheduled yet (see scheduler_standin)
                 local = self.pods[uid] = LocalPod(self, pod)
                 local.task = asyncio.get_running_loop().create_task(local.run())
+        await self._refresh_config_maps()
         for uid, local in self.pods.items():
             if uid not in seen and not local.terminating:
                 # Removed without a graceful deletion (e.g. forced): stop it all the same.
                 grace = local.spec.get("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS)
                 self._stop(local.terminate(float(grace), api=False))
+
+    async def _refresh_config_maps(self) -> None:
+        """Bring the running pods' configMap volumes up to date (one list for them all)."""
+        running = [
+            p for p in self.pods.values() if p.dirs and not p.terminating and p.config_map_names()
+        ]
+        now = time.monotonic()
+        if not running or now - self._config_maps_refreshed < CONFIG_MAP_REFRESH_SECONDS:
+            return
+        self._config_maps_refreshed = now
+        listed = await self.kube.list("v1", "ConfigMap", self.namespace)
+        config_maps = {item["metadata"]["name"]: item for item in listed}
+        for local in running:
+            try:
+                local.project_config_maps(config_maps)
+            except PodConfigError:
+                pass  # a ConfigMap deleted under a running pod: its files stay as they were
 
     async def release(self, pod_name: str) -> None:
         """Drop this kubelet's finalizer: the API server may now remove the pod."""

@@ -114,10 +114,20 @@ def start_server(
     api_key: str | None = None,
     env: dict[str, str] | None = None,
     port: int | None = None,
+    wait_ready: bool = True,
 ) -> Server:
-    """`pagedllm serve` on a free port with a small KV cache, once /health answers 200."""
+    """`pagedllm serve` on a free port with a small KV cache, once /health answers 200 (at
+    once without `wait_ready`)."""
     return start_command(
-        tmp_dir, "serve", "--kv-cache-memory", "32MiB", *args, api_key=api_key, env=env, port=port
+        tmp_dir,
+        "serve",
+        "--kv-cache-memory",
+        "32MiB",
+        *args,
+        api_key=api_key,
+        env=env,
+        port=port,
+        wait_ready=wait_ready,
     )
 
 
@@ -128,9 +138,10 @@ def start_command(
     api_key: str | None = None,
     env: dict[str, str] | None = None,
     port: int | None = None,
+    wait_ready: bool = True,
 ) -> Server:
     """`pagedllm COMMAND` (serve, router) on ``port`` (default: a free one), once /health
-    answers 200."""
+    answers 200 (at once without `wait_ready`)."""
     tmp_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     log_path = tmp_dir / f"{command}.log"
@@ -144,7 +155,7 @@ def start_command(
         )
     server = Server(process, port, log_path, tmp_dir, api_key)
     deadline = time.monotonic() + START_TIMEOUT_S
-    while server.health() != 200:
+    while wait_ready and server.health() != 200:
         if process.poll() is not None or time.monotonic() > deadline:
             server.stop()
             raise AssertionError(f"pagedllm {command} did not become ready:\n{server.log()}")

@@ -69,6 +69,7 @@ def test_a_spec_arrives_as_it_was_sent() -> None:
                     None,
                     {},
                     False,
+                    None,
                 ]
             ),
             "port",

@@ -55,8 +55,9 @@ def test_which_children_exist_without_the_router() -> None:
     spec = parse_spec({**SPECS["demo"], "router": {"enabled": False}})
     with_monitor = build_children(OWNER, spec, 1, service_monitors_available=True)
     assert [c["kind"] for c in with_monitor.wanted][-1] == "ServiceMonitor"
-    # What the router would add is taken away.
+    # What the router (and LoRA) would add is taken away.
     assert {r.kind for r in with_monitor.unwanted} == {
+        "ConfigMap",
         "PodDisruptionBudget",
         "HorizontalPodAutoscaler",
         "Deployment",

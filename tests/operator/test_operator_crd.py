@@ -119,6 +119,13 @@ def test_operator_defaults_are_the_schema_defaults() -> None:
         ({"router": {"resources": {"requests": {"cpu": "fast"}}}}, "does not match"),
         ({"observability": {"otlpEndpoint": "collector:4318"}}, "does not match"),
         ({"observability": {"otlpEndpoint": 4318}}, "is not of type 'string'"),
+        ({"adapters": [{"name": "a", "uri": "/a"}, {"name": "a", "uri": "/b"}]}, "unique"),
+        ({"adapters": [{"name": "demo", "uri": "/a"}]}, "must not be named as spec.model"),
+        ({"adapters": [{"name": "a b", "uri": "/a"}]}, "does not match"),
+        ({"adapters": [{"name": "a", "uri": "hf://org/name/x.gguf"}]}, "does not match"),
+        ({"adapters": [{"name": "a"}]}, "'uri' is a required property"),
+        ({"lora": {"maxLoras": 0}}, "0 is less than the minimum of 1"),
+        ({"lora": {"maxLoras": 4, "maxCpuLoras": 2}}, "maxCpuLoras must not be below maxLoras"),
     ],
 )
 def test_invalid_specs_are_rejected(spec: dict[str, Any], message: str) -> None:
