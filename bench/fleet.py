@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,8 +169,10 @@ def start_nodes(
     workdir: Path,
     tag: str,
     cores: list[int] | None = None,
+    extra: Sequence[str] = (),
 ) -> list[Process]:
-    """``count`` nodes sharing ``cores`` (default: all this process may use)."""
+    """``count`` nodes sharing ``cores`` (default: all this process may use), each started
+    with ``extra`` arguments besides the fleet's."""
     cores = cores or sorted(os.sched_getaffinity(0))
     threads = max(1, len(cores) // count)
     kv_bytes = kv_tokens * common.kv_bytes_per_token(model)
@@ -188,6 +190,7 @@ def start_nodes(
             str(kv_bytes),
             "--max-model-len",
             str(args.system_len + args.question_len + args.output_len + 64),
+            *extra,
         ]
         nodes.append(launch(f"{tag}-node{i}", argv, workdir, share, threads))
     for node in nodes:
@@ -280,7 +283,9 @@ class LoadResult:
         }
 
 
-async def one_request(client: Any, prompt: str, output_len: int, result: LoadResult) -> None:
+async def one_request(
+    client: Any, prompt: str, output_len: int, result: LoadResult, model: str = "bench"
+) -> None:
     """One streamed completion, its time to first token and tokens counted in ``result``.
 
     Tokens are the usage the stream ends with, not its events: a node that falls behind its
@@ -290,7 +295,7 @@ async def one_request(client: Any, prompt: str, output_len: int, result: LoadRes
     first = None
     try:
         stream = await client.completions.create(
-            model="bench",
+            model=model,
             prompt=prompt,
             max_tokens=output_len,
             temperature=0,

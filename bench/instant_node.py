@@ -21,6 +21,8 @@ from typing import Any
 
 from aiohttp import web
 
+from pagedllm.core.kv_events import FEED_VERSION
+
 BLOCK_SIZE = 16
 IDLE = {"running": 0, "waiting": 0, "kv_usage": 0.0}
 
@@ -73,12 +75,14 @@ def app(tokens: int, interval_s: float) -> web.Application:
         await response.prepare(request)
         snapshot = {
             "type": "snapshot",
+            "version": FEED_VERSION,
             "seq": 0,
             "block_size": BLOCK_SIZE,
             "hash_seed": 0,
             "num_blocks": 1 << 16,
             "blocks": [],
             "load": IDLE,
+            "adapters": [],
         }
         await response.write(json.dumps(snapshot).encode() + b"\n")
         for seq in itertools.count(1):

@@ -7,16 +7,25 @@ adapters (rank 16 over every projection of every layer, random A and B) mixed in
 request i taking adapter i mod 4 (``max_loras`` 4). The two runs alternate ``--repeats``
 times in one engine; output tokens/s are medians with every run given.
 
-The issue's second figure (the router's adapter-aware placement against random spreading on a
-fleet of three pods) needs adapter-aware routing, which is not built yet: it is reported as not
-measured.
+``--part router``: the router's adapter-aware placement against random spreading. A fleet of
+three nodes (``pagedllm serve`` processes sharing this machine's cores, the benchmark model
+unless ``--router-model`` names another) serves six adapters (rank 16) with
+``--max-cpu-loras 2`` each; a stream of requests names the adapters in a seeded random order
+(short random-word prompts, a few output tokens, ``--concurrency`` clients). The same stream
+runs through a router with ``--policy prefix`` (adapter-aware) and one with ``--policy
+random`` (what a Kubernetes Service does), each on fresh nodes. Compared: adapter loads (the
+sum over the nodes of ``pagedllm:lora_adapter_loads_total``) and TTFT p50; targets: fewer
+loads and a lower TTFT p50 than random.
 
-    python bench/lora.py [--repeats 3] [--requests 16] [--rank 16]
+    python bench/lora.py [--part batch] [--repeats 3] [--requests 16] [--rank 16]
+    python bench/lora.py --part router [--router-requests 90] [--concurrency 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import random
 import statistics
 import tempfile
 import time
@@ -26,6 +35,10 @@ from typing import Any
 import common
 
 TARGET_MIXED_VS_BASE = 0.8
+# --part router: six adapters over three nodes that each keep two loaded.
+ROUTER_ADAPTERS = 6
+ROUTER_OUTPUT_LEN = 4
+LOADS = "pagedllm:lora_adapter_loads_total"
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -66,8 +79,144 @@ def timed_run(llm: Any, workload: common.Workload, loras: list[Any]) -> float:
     return tokens / elapsed
 
 
+def checked(
+    args: argparse.Namespace,
+    model: Path,
+    runs: dict[str, Any],
+    targets: list[common.Target],
+    **more: Any,
+) -> dict[str, Any]:
+    """Print the targets; the results file's content."""
+    common.print_targets(targets)
+    return {
+        "machine": common.machine_info(),
+        "settings": vars(args),
+        "model": common.model_summary(model),
+        "runs": runs,
+        **more,
+        "targets": [t.to_json() for t in targets],
+    }
+
+
+def fleet_run(
+    args: argparse.Namespace, model: Path, adapters: list[Path], policy: str, workdir: Path
+) -> dict[str, Any]:
+    """One policy's run on three fresh nodes: the stream's TTFTs, and the adapter loads."""
+    import fleet
+    from transformers import AutoTokenizer
+
+    names = [f"adapter-{i}" for i in range(len(adapters))]
+    extra = [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "2",
+        "--max-lora-rank",
+        str(args.rank),
+        "--lora-modules",
+        *(f"{n}={p}" for n, p in zip(names, adapters, strict=True)),
+    ]
+    shape = argparse.Namespace(system_len=args.prompt_words * 4, question_len=0, output_len=16)
+    nodes = fleet.start_nodes(shape, model, 3, 1 << 14, workdir, policy, extra=extra)
+    try:
+        router = fleet.start_router(model, nodes, policy, workdir)
+        try:
+            rng = random.Random(args.seed)
+            tokenizer = AutoTokenizer.from_pretrained(str(common.hf_model_dir(model)))
+            prompts = fleet.random_texts(tokenizer, args.router_requests, args.prompt_words, rng)
+            stream = [(p, rng.choice(names)) for p in prompts]
+            before = sum(m.get(LOADS, 0.0) for m in fleet.counters(nodes))
+            result = asyncio.run(requests_through(router.url, stream, args.concurrency))
+            loads = sum(m.get(LOADS, 0.0) for m in fleet.counters(nodes)) - before
+            reasons = fleet.routed_by_reason(router)
+        finally:
+            router.stop()
+    finally:
+        for node in nodes:
+            node.stop()
+    return result.summary() | {"adapter_loads": loads, "routed_by_reason": reasons}
+
+
+async def requests_through(url: str, stream: list[tuple[str, str]], concurrency: int) -> Any:
+    """``concurrency`` clients sending the stream's (prompt, adapter) requests in order."""
+    import fleet
+
+    client = fleet.openai_client(url)
+    result = fleet.LoadResult()
+    queue = list(reversed(stream))
+
+    async def one_client() -> None:
+        while queue:
+            prompt, adapter = queue.pop()
+            await fleet.one_request(client, prompt, ROUTER_OUTPUT_LEN, result, model=adapter)
+
+    begin = time.perf_counter()
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    result.elapsed_s = time.perf_counter() - begin
+    await client.close()
+    return result
+
+
+def router_part(args: argparse.Namespace) -> None:
+    model = common.resolve_model(args.router_model)
+    workdir = Path(tempfile.mkdtemp(prefix="pagedllm-lora-router-"))
+    adapters = make_adapters(model, workdir, ROUTER_ADAPTERS, args.rank)
+    runs = {}
+    for policy in ("prefix", "random"):
+        print(f"policy {policy}: {args.router_requests} requests ...", flush=True)
+        runs[policy] = fleet_run(args, model, adapters, policy, workdir)
+        print(f"    {runs[policy]}", flush=True)
+    aware, spread = runs["prefix"], runs["random"]
+    common.print_table(
+        ["placement", "adapter loads", "TTFT p50 ms", "TTFT p99 ms", "errors", "routed by"],
+        [
+            [
+                name,
+                run["adapter_loads"],
+                run["ttft_p50_ms"],
+                run["ttft_p99_ms"],
+                run["errors"],
+                ", ".join(f"{k} {v:g}" for k, v in run["routed_by_reason"].items() if v),
+            ]
+            for name, run in (("adapter-aware (prefix)", aware), ("random", spread))
+        ],
+        title=f"3 nodes, {ROUTER_ADAPTERS} adapters (rank {args.rank}), --max-cpu-loras 2, "
+        f"{args.router_requests} requests, concurrency {args.concurrency}",
+    )
+    # Both targets: adapter-aware below random (a ratio under 1).
+    targets = [
+        common.Target(
+            f"{label}, adapter-aware / random",
+            aware[field] / spread[field] if spread[field] else None,
+            1.0,
+            at_most=True,
+            unit="x",
+        )
+        for label, field in (("adapter loads", "adapter_loads"), ("TTFT p50", "ttft_p50_ms"))
+    ]
+    results = checked(args, model, runs, targets)
+    fig, (loads_ax, ttft_ax) = common.new_figure(2)
+    labels = ["adapter-aware", "random"]
+    loads_ax.bar(labels, [aware["adapter_loads"], spread["adapter_loads"]])
+    loads_ax.set_ylabel("adapter loads (3 nodes)")
+    ttft_ax.bar(labels, [aware["ttft_p50_ms"], spread["ttft_p50_ms"]])
+    ttft_ax.set_ylabel("TTFT p50 (ms)")
+    fig.suptitle(f"{ROUTER_ADAPTERS} LoRA adapters on 3 nodes, --max-cpu-loras 2")
+    name = f"{args.name}-router"
+    print(f"wrote {common.write_json(name, results)} and {common.save_figure(fig, name)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("batch", "router"), default="batch")
+    parser.add_argument(
+        "--router-model", help="(router) model directory (default: the bench model)"
+    )
+    parser.add_argument("--router-requests", type=int, default=90)
+    parser.add_argument("--concurrency", type=int, default=3)
+    parser.add_argument("--prompt-words", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--adapters", type=int, default=4)
@@ -79,6 +228,9 @@ def main() -> None:
     parser.add_argument("--name", default="lora")
     args = parser.parse_args()
     common.warn_if_busy()
+    if args.part == "router":
+        router_part(args)
+        return
     common.set_threads(args.threads)
     from pagedllm.llm import LLM
     from pagedllm.lora.request import LoRARequest
@@ -138,23 +290,8 @@ def main() -> None:
             TARGET_MIXED_VS_BASE,
             unit="x",
         ),
-        common.Target(
-            "adapter-aware routing: adapter loads and TTFT p50 against random spreading",
-            None,
-            1.0,
-            note="adapter-aware routing is not built yet",
-        ),
     ]
-    common.print_targets(targets)
-    results = {
-        "machine": common.machine_info(),
-        "settings": vars(args),
-        "model": common.model_summary(model),
-        "runs": runs,
-        "medians": medians,
-        "mixed_vs_base": ratio,
-        "targets": [t.to_json() for t in targets],
-    }
+    results = checked(args, model, runs, targets, medians=medians, mixed_vs_base=ratio)
     fig, (ax,) = common.new_figure()
     ax.bar(["base alone", f"{args.adapters} adapters mixed"], [medians["base"], medians["mixed"]])
     ax.set_ylabel("output tokens/s")

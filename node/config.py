@@ -126,6 +126,7 @@ def scheduler_config(config: EngineConfig, num_blocks: int, max_model_len: int) 
         seed=config.seed,
         speculative=parse_speculative_config(config.speculative_config),
         max_loras=config.max_loras if config.enable_lora else 0,
+        max_cpu_loras=(config.max_cpu_loras or config.max_loras) if config.enable_lora else 0,
     )
 
 

@@ -81,7 +81,7 @@ class LLMEngine:
                     f"LoRA adapter {lora_request.lora_name!r} asked for, but the engine was "
                     "started without enable_lora=True"
                 )
-            self.runner.loras.load(lora_request)  # checked now, not in the middle of a step
+            self.runner.loras.check(lora_request)  # now, not in the middle of a step
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         grammar = self._compile(params)

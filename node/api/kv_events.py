@@ -4,7 +4,9 @@ The scheduler sends every API server the same ``KVEvents`` from the start, so ea
 whole hash map (hash -> parent, in the order the hashes entered). ``GET /v1/kv_events`` streams
 it as newline-delimited JSON: a snapshot first, then one ``update`` line per update applied
 after it, ``seq`` counting the updates this copy has applied (the snapshot carries the count
-it includes), so two subscribers see the same update under the same number. When the
+it includes), so two subscribers see the same update under the same number. The snapshot
+names the feed's ``version`` and lists the node's LoRA adapters (name, path, loaded); an
+update lists them again only when they changed. When the
 scheduler is silent (inside a long step, say) a heartbeat update with the last load goes out
 at least every second.
 
@@ -23,7 +25,14 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pagedllm.core.kv_events import KVUpdate, NodeLoad, apply_update, parents_first
+from pagedllm.core.kv_events import (
+    FEED_VERSION,
+    AdapterState,
+    KVUpdate,
+    NodeLoad,
+    apply_update,
+    parents_first,
+)
 from pagedllm.ipc.messages import CacheLayout, KVEvents
 
 log = logging.getLogger(__name__)
@@ -63,6 +72,7 @@ class KVEventFeed:
     layout: CacheLayout | None = None
     blocks: dict[bytes, bytes] = field(default_factory=dict)
     load: NodeLoad = field(default_factory=lambda: NodeLoad(0, 0, 0.0))
+    adapters: list[AdapterState] = field(default_factory=list)
     seq: int = 0
     closed: bool = False
     subscribers: set[Subscription] = field(default_factory=set)
@@ -80,9 +90,12 @@ class KVEventFeed:
         """Apply the scheduler's updates and pass each to the subscribers (a heartbeat when
         there are none)."""
         self.load = message.load
-        for update in message.updates or [KVUpdate()]:
+        if message.adapters is not None:
+            self.adapters = message.adapters
+        for i, update in enumerate(message.updates or [KVUpdate()]):
             apply_update(self.blocks, update)
-            self._publish(update)
+            # New adapters ride on the first line of the message that brought them.
+            self._publish(update, message.adapters if i == 0 else None)
 
     def heartbeat(self) -> None:
         """An empty update with the last load, unless a line went out lately (or nobody
@@ -90,20 +103,21 @@ class KVEventFeed:
         if self.subscribers and time.monotonic() - self._last_line_at >= HEARTBEAT_AFTER_S:
             self._publish(KVUpdate())
 
-    def _publish(self, update: KVUpdate) -> None:
+    def _publish(self, update: KVUpdate, adapters: list[AdapterState] | None = None) -> None:
         self.seq += 1
         self._last_line_at = time.monotonic()
         if not self.subscribers:
             return
-        line = _line(
-            {
-                "type": "update",
-                "seq": self.seq,
-                "stored": [[h.hex(), parent.hex()] for h, parent in update.stored],
-                "removed": [h.hex() for h in update.removed],
-                "load": asdict(self.load),
-            }
-        )
+        value: dict[str, Any] = {
+            "type": "update",
+            "seq": self.seq,
+            "stored": [[h.hex(), parent.hex()] for h, parent in update.stored],
+            "removed": [h.hex() for h in update.removed],
+            "load": asdict(self.load),
+        }
+        if adapters is not None:
+            value["adapters"] = [asdict(a) for a in adapters]
+        line = _line(value)
         for subscriber in list(self.subscribers):
             if not subscriber.push(line):
                 log.warning(
@@ -120,12 +134,14 @@ class KVEventFeed:
         snapshot = _line(
             {
                 "type": "snapshot",
+                "version": FEED_VERSION,
                 "seq": self.seq,
                 "block_size": layout.block_size,
                 "hash_seed": layout.hash_seed,
                 "num_blocks": layout.num_blocks,
                 "blocks": [[h.hex(), parent.hex()] for h, parent in parents_first(self.blocks)],
                 "load": asdict(self.load),
+                "adapters": [asdict(a) for a in self.adapters],
             }
         )
         subscriber = Subscription()

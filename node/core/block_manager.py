@@ -9,18 +9,14 @@ import numpy as np
 
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.sequence import BlockTable, Sequence
-from pagedllm.lora.request import LoRARequest
 
 
-def adapter_key(lora: LoRARequest | None) -> str | None:
-    """The adapter's identity (``LoRARequest.key``) in the root hash's text."""
-    return None if lora is None else "@".join(lora.key)
-
-
-def root_hash(seed: int, adapter: str | None = None) -> bytes:
+def root_hash(seed: int, adapter: tuple[str, str] | None = None) -> bytes:
     """The parent of a sequence's first block: the seed's, or a LoRA adapter's own (its K/V
-    differs from the base model's for the same tokens, so no block is shared across them)."""
-    key = f"pagedllm-prefix-root:{seed}" + ("" if adapter is None else f":lora:{adapter}")
+    differs from the base model's for the same tokens, so no block is shared across them).
+    ``adapter``: ``LoRARequest.key``, (name, directory), which a router learns from the feed."""
+    tail = "" if adapter is None else ":lora:" + "@".join(adapter)
+    key = f"pagedllm-prefix-root:{seed}{tail}"
     return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
 
@@ -62,7 +58,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._seed = seed
-        self._roots: dict[str | None, bytes] = {None: root_hash(seed)}
+        self._roots: dict[tuple[str, str] | None, bytes] = {None: root_hash(seed)}
         # (src, dst) copies the workers must make before the next forward pass.
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0  # tokens looked up
@@ -77,7 +73,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _root(self, seq: Sequence) -> bytes:
-        key = adapter_key(seq.request.lora)
+        lora = seq.request.lora
+        key = None if lora is None else lora.key
         root = self._roots.get(key)
         if root is None:
             root = self._roots[key] = root_hash(self._seed, key)

@@ -9,7 +9,11 @@ update since the pool was made gives exactly the pool's hash map.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+# The version of ``GET /v1/kv_events``'s lines, in its snapshot (2: LoRA adapters listed).
+FEED_VERSION = 2
 
 # blake2b digest size of ``block_manager.block_hash``.
 HASH_BYTES = 16
@@ -50,6 +54,33 @@ class NodeLoad:
             raise ValueError(f"negative request counts {self.running}, {self.waiting}")
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
+
+
+@dataclass(frozen=True)
+class AdapterState:
+    """A LoRA adapter requests may name on the node, and whether the workers hold it loaded
+    (a request for it then needs no load): what a router places adapter requests by."""
+
+    name: str
+    path: str
+    loaded: bool
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.path:
+            raise ValueError("an adapter needs a name and a path")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``LoRARequest.key``: the identity its prefix-cache blocks are rooted at."""
+        return self.name, self.path
+
+
+def adapter_states(served: dict[str, str], loaded: Iterable[tuple[str, str]]) -> list[AdapterState]:
+    """The adapters requests may name (name -> directory), each marked loaded or not, by
+    name. An adapter unloaded at runtime but still held for requests queued before is not
+    listed: no new request may name it."""
+    held = set(loaded)
+    return [AdapterState(n, p, (n, p) in held) for n, p in sorted(served.items())]
 
 
 def _check_hash(h: bytes) -> None:

@@ -45,6 +45,10 @@ class SchedulerStats:
     max_loras: int = 0
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
+    # Adapter loads the scheduler sent the workers so far, and the adapters loaded now (their
+    # LoRARequest.key, least recently used first).
+    lora_loads: int = 0
+    loaded_adapters: tuple[tuple[str, str], ...] = ()
 
 
 def step_delta(request: Request, reported: dict[int, int]) -> RequestDelta:

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from pagedllm.core import reporting
+from pagedllm.core.adapter_lru import AdapterLRU
 from pagedllm.core.beam_search import BeamSearch
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.kv_map import waste_fraction
@@ -43,6 +44,8 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
     # The most LoRA adapters one step may run (0: requests may name none).
     max_loras: int = 0
+    # The most the workers keep loaded (0: max_loras); the scheduler's LRU decides which.
+    max_cpu_loras: int = 0
 
 
 # The most steps a sequence whose drafts keep gaining nothing goes without drafting.
@@ -59,6 +62,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.workers = WorkerView()
+        # What the workers hold loaded, decided here and sent with each plan.
+        self.loras: AdapterLRU | None = (
+            AdapterLRU(config.max_cpu_loras or config.max_loras) if config.max_loras else None
+        )
         self._seq_ids = itertools.count()
         self._beams = BeamSearch(
             finish=self._finish,
@@ -183,6 +190,8 @@ class Scheduler:
             max_loras=self.config.max_loras,
             running_adapters=_adapters(self.running) if self.config.max_loras else (),
             waiting_adapters=_adapters(self.waiting) if self.config.max_loras else (),
+            lora_loads=0 if self.loras is None else self.loras.num_loads,
+            loaded_adapters=() if self.loras is None else tuple(self.loras.held),
         )
 
     # ----- scheduling ----------------------------------------------------------------------
@@ -350,6 +359,9 @@ class Scheduler:
         """The workers' plan for ``scheduled``; the sequences then count those tokens done
         (drafts not yet: ``update`` counts those accepted)."""
         plan = self.workers.plan(scheduled, self.block_manager.take_copies(), drafts)
+        if self.loras is not None:
+            step = (seq.request.lora for seq, _ in scheduled)
+            plan.lora_loads, plan.lora_drops = self.loras.use(a for a in step if a is not None)
         for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new - len(drafts.get(seq.seq_id, ()))
             seq.num_kv_tokens = max(seq.num_kv_tokens, seq.num_computed_tokens)

@@ -85,6 +85,10 @@ class StepPlan:
     # tokens (after all its known ones). The workers verify them and answer with the accepted
     # drafts plus one token of their own in the sample.
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    # The scheduler's adapter LRU (core.adapter_lru) decides what the workers hold: they drop
+    # these adapters (by LoRARequest.key), then load these, before the step runs.
+    lora_drops: list[tuple[str, str]] = field(default_factory=list)
+    lora_loads: list[LoRARequest] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +105,8 @@ class StepPlan:
             or self.block_copies
             or self.grammars
             or self.dropped_grammars
+            or self.lora_drops
+            or self.lora_loads
         )
 
 

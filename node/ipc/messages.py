@@ -12,8 +12,9 @@ Who sends what:
 - scheduler -> API server: RequestOutputs, RequestRejected, LoRAAdapterUpdated; to every API
   server LoRAAdapters when the adapters change; KVMap while it watches (at most
   one per ``KV_MAP_INTERVAL_S``, see ``serve.kv_map_sender``); to every API server:
-  CacheLayout once, then KVEvents each step the prefix cache or the load changed, and at
-  least once a second when idle (the KV-events feed, see ``api.kv_events``)
+  CacheLayout once, then KVEvents each step the prefix cache, the load or the adapters
+  (those served, and which are loaded) changed, and at least once a second when idle (the
+  KV-events feed, see ``api.kv_events``)
 - scheduler -> workers: StepPlan; worker rank 0 -> scheduler: WorkerReady, StepResult,
   StepRefused
 - every process -> supervisor: ProcessReady; API server -> supervisor: ApiServerIdle;
@@ -29,7 +30,7 @@ from typing import Any
 
 import msgpack
 
-from pagedllm.core.kv_events import KVUpdate, NodeLoad
+from pagedllm.core.kv_events import AdapterState, KVUpdate, NodeLoad
 from pagedllm.core.kv_map import KVMap
 from pagedllm.core.request_delta import RequestDelta
 from pagedllm.core.step_plan import StepPlan, StepResult
@@ -148,10 +149,11 @@ class CacheLayout:
 @dataclass
 class KVEvents:
     """The prefix cache's changes since the last KVEvents, in order (none: a heartbeat), and
-    the load after them."""
+    the load after them; the node's LoRA adapters when they changed (None: as before)."""
 
     updates: list[KVUpdate]
     load: NodeLoad
+    adapters: list[AdapterState] | None = None
 
 
 @dataclass
@@ -259,7 +261,7 @@ SCHEMAS: dict[str, Schema] = {
         _typed("request_outputs", RequestOutputs, 3),
         _typed("request_rejected", RequestRejected, 1),
         _typed("cache_layout", CacheLayout, 1),
-        _typed("kv_events", KVEvents, 1),
+        _typed("kv_events", KVEvents, 2),
         _typed("watch_kv_map", WatchKVMap, 1),
         _typed("kv_map", KVMap, 1),
         _typed("worker_ready", WorkerReady, 2),
@@ -271,7 +273,7 @@ SCHEMAS: dict[str, Schema] = {
         _typed("drain_deadline", DrainDeadline, 1),
         _typed("node_failed", NodeFailed, 1),
         # The per-step pair travels column-wise (see step_wire).
-        Schema("step_plan", StepPlan, 4, encode_plan, decode_plan),
+        Schema("step_plan", StepPlan, 5, encode_plan, decode_plan),
         Schema("step_result", StepResult, 1, encode_result, decode_result),
     )
 }

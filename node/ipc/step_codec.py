@@ -21,6 +21,7 @@ from pagedllm.core.step_plan import (
     StepResult,
 )
 from pagedllm.ipc.codec import WireError, decoder, encoder
+from pagedllm.lora.request import LoRARequest
 
 _I8 = np.dtype("<i8")
 _F8 = np.dtype("<f8")
@@ -36,6 +37,10 @@ _decode_grammars = decoder(dict[str, str])
 _decode_dropped = decoder(list[str])
 _encode_drafts = encoder(dict[int, list[int]])
 _decode_drafts = decoder(dict[int, list[int]])
+_encode_lora_drops = encoder(list[tuple[str, str]])
+_decode_lora_drops = decoder(list[tuple[str, str]])
+_encode_lora_loads = encoder(list[LoRARequest])
+_decode_lora_loads = decoder(list[LoRARequest])
 
 
 def _ints(values: list[int]) -> bytes:
@@ -88,12 +93,14 @@ def encode_plan(plan: StepPlan) -> list[Any]:
         plan.grammars,
         plan.dropped_grammars,
         _encode_drafts(plan.drafts),
+        _encode_lora_drops(plan.lora_drops),
+        _encode_lora_loads(plan.lora_loads),
     ]
 
 
 def decode_plan(payload: Any) -> StepPlan:
-    if not isinstance(payload, list) or len(payload) != 11:
-        raise WireError("expected a step plan of 11 fields")
+    if not isinstance(payload, list) or len(payload) != 13:
+        raise WireError("expected a step plan of 13 fields")
     (
         step_id,
         new,
@@ -106,6 +113,8 @@ def decode_plan(payload: Any) -> StepPlan:
         grammars,
         dropped,
         drafts,
+        lora_drops,
+        lora_loads,
     ) = payload
     if type(step_id) is not int:
         raise WireError("step plan: step_id must be an int")
@@ -140,6 +149,8 @@ def decode_plan(payload: Any) -> StepPlan:
         grammars=_decode_grammars(grammars),
         dropped_grammars=_decode_dropped(dropped),
         drafts=_decode_drafts(drafts),
+        lora_drops=_decode_lora_drops(lora_drops),
+        lora_loads=_decode_lora_loads(lora_loads),
     )
 
 

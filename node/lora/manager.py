@@ -1,19 +1,19 @@
-"""A worker's adapters: loaded on first use into an LRU of ``max_cpu_loras``, and each step's
-active set (at most ``max_loras``) handed to the model's linear layers."""
+"""A worker's adapters: loaded and dropped as the step plans say (the scheduler keeps the LRU of
+``max_cpu_loras``, ``core.adapter_lru``), and each step's active set (at most ``max_loras``)
+handed to the model's linear layers."""
 
 from __future__ import annotations
 
 import logging
 import re
-from collections import OrderedDict
 
 import torch
 from torch import nn
 
 from pagedllm.lora.adapter import LoRAWeights, load_adapter
 from pagedllm.lora.layers import LoRAContext, LoRALinear
-from pagedllm.lora.peft_files import check_adapter
-from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.peft_files import AdapterFiles, check_adapter
+from pagedllm.lora.request import LoRARequest, adapter_plan_problem
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,10 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self.dtype = next(model.parameters()).dtype
         self.context = LoRAContext()
-        # (name, directory) -> weights, least recently used first.
-        self.loaded: OrderedDict[tuple[str, str], LoRAWeights] = OrderedDict()
+        # (name, directory) -> weights; which are held is the scheduler's call (``follow``).
+        self.loaded: dict[tuple[str, str], LoRAWeights] = {}
+        # Adapters checked ahead of their load (``check``) -> their files.
+        self._checked: dict[tuple[str, str], AdapterFiles] = {}
         self.num_loads = 0
         # (layer, PEFT module) -> (in, out) of the projection, to check adapters against.
         self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
@@ -69,23 +71,43 @@ class LoRAManager:
         if not self.shapes:
             raise ValueError("the model has no projections an adapter can adapt")
 
-    def load(self, request: LoRARequest) -> LoRAWeights:
-        """The adapter's weights, loaded and checked on first use (``ValueError`` if they
-        cannot serve this model), the least recently used one dropped beyond the LRU's size.
-        Held by ``request.key``: a name loaded again from another directory is another
-        adapter (as it is to the prefix cache)."""
-        held = self.loaded.get(request.key)
-        if held is not None:
-            self.loaded.move_to_end(request.key)
-            return held
+    def check(self, request: LoRARequest) -> None:
+        """Check the adapter's files against the model now (``ValueError`` naming what is
+        wrong), so that a request the offline engine takes never fails inside a step."""
+        if request.key not in self.loaded and request.key not in self._checked:
+            self._checked[request.key] = check_adapter(
+                request.lora_name, request.lora_path, self.max_lora_rank, self.shapes
+            )
+
+    def follow(self, drops: list[tuple[str, str]], loads: list[LoRARequest]) -> None:
+        """Drop, then load, the adapters the scheduler's LRU (``core.adapter_lru``) chose for
+        this step. The scheduler alone decides, so that what it reports loaded is what is: a
+        plan that drops an adapter not held, loads one held, or leaves more than
+        ``max_cpu_loras`` loaded means the two disagree, and is refused (``ValueError``)."""
+        problem = self.plan_problem(drops, loads)
+        if problem is not None:
+            raise ValueError(problem)
+        for key in drops:
+            del self.loaded[key]
+            log.info("LoRA adapter %s dropped from memory (--max-cpu-loras)", key[0])
+        for request in loads:
+            self.loaded[request.key] = self._load(request)
+
+    def plan_problem(self, drops: list[tuple[str, str]], loads: list[LoRARequest]) -> str | None:
+        """What makes these drops and loads disagree with the adapters held, or None."""
+        return adapter_plan_problem(*self.held(), drops, loads)
+
+    def held(self) -> tuple[set[tuple[str, str]], int]:
+        """The adapters loaded, and how many fit (a worker's plan check takes both)."""
+        return set(self.loaded), self.max_cpu_loras
+
+    def _load(self, request: LoRARequest) -> LoRAWeights:
         path = request.lora_path
-        files = check_adapter(request.lora_name, path, self.max_lora_rank, self.shapes)
+        files = self._checked.pop(request.key, None) or check_adapter(
+            request.lora_name, path, self.max_lora_rank, self.shapes
+        )
         weights = load_adapter(path, files, self.dtype)
-        self.loaded[request.key] = weights
         self.num_loads += 1
-        while len(self.loaded) > self.max_cpu_loras:
-            (dropped, _), _ = self.loaded.popitem(last=False)
-            log.info("LoRA adapter %s dropped from memory (--max-cpu-loras)", dropped)
         log.info("LoRA adapter %s loaded from %s", request.lora_name, path)
         return weights
 
@@ -100,8 +122,11 @@ class LoRAManager:
                 active.append(request)
         if len(active) > self.max_loras:
             raise ValueError(f"a step with {len(active)} adapters; at most {self.max_loras}")
+        missing = [r.lora_name for r in active if r.key not in self.loaded]
+        if missing:
+            raise ValueError(f"a step runs adapters the plan never loaded: {missing}")
         ctx = self.context
-        adapters = tuple(self.load(request) for request in active)
+        adapters = tuple(self.loaded[request.key] for request in active)
         if len(adapters) != len(ctx.adapters) or any(
             a is not b for a, b in zip(adapters, ctx.adapters, strict=True)
         ):

@@ -32,3 +32,26 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError("a LoRA adapter needs the path of its directory")
+
+
+def adapter_plan_problem(
+    held: set[tuple[str, str]],
+    capacity: int,
+    drops: list[tuple[str, str]],
+    loads: list[LoRARequest],
+) -> str | None:
+    """What makes a step plan's adapter ``drops`` and ``loads`` impossible for a worker
+    holding ``held`` (``LoRARequest.key``s, at most ``capacity``), or None: the scheduler's
+    LRU and the worker's adapters then disagree."""
+    after = set(held)
+    for key in drops:
+        if key not in after:
+            return f"the plan drops LoRA adapter {key[0]!r} ({key[1]}), which is not loaded"
+        after.remove(key)
+    for request in loads:
+        if request.key in after:
+            return f"the plan loads LoRA adapter {request.lora_name!r} again"
+        after.add(request.key)
+    if len(after) > capacity:
+        return f"the plan leaves {len(after)} LoRA adapters loaded; at most {capacity} fit"
+    return None

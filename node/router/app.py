@@ -67,19 +67,37 @@ def _add_routes(app: FastAPI, state: RouterState) -> None:
 
 
 async def _backend_models(state: RouterState, request: Request) -> dict[str, Any] | None:
-    """A ready backend's own ``/v1/models``, which names what the nodes really serve."""
-    for backend in state.router.fleet.ready():
-        try:
-            async with state.forwarder.client.get(
-                backend.url + "/v1/models",
-                headers=state.forwarder.auth_headers(),
-                timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S),
-            ) as answer:
-                if answer.status != 200:
-                    continue
-                value = json.loads(await answer.read())
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            continue
-        if isinstance(value, dict) and isinstance(value.get("data"), list):
-            return value
+    """The ready backends' own ``/v1/models``, which name what the nodes really serve, merged:
+    each model once, the first node's entry, so that a LoRA adapter served by some nodes only
+    is listed too."""
+    lists = await asyncio.gather(*(_models_of(state, b.url) for b in state.router.fleet.ready()))
+    answered = [value for value in lists if value is not None]
+    return merge_model_lists(answered) if answered else None
+
+
+async def _models_of(state: RouterState, url: str) -> dict[str, Any] | None:
+    try:
+        async with state.forwarder.client.get(
+            url + "/v1/models",
+            headers=state.forwarder.auth_headers(),
+            timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S),
+        ) as answer:
+            if answer.status != 200:
+                return None
+            value = json.loads(await answer.read())
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+    if isinstance(value, dict) and isinstance(value.get("data"), list):
+        return value
     return None
+
+
+def merge_model_lists(lists: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``/v1/models`` answer of several nodes' answers: every model (by ``id``) once, as
+    the first list naming it has it, in the order first seen."""
+    merged: dict[str, Any] = {}
+    for value in lists:
+        for entry in value["data"]:
+            if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                merged.setdefault(entry["id"], entry)
+    return {**lists[0], "data": list(merged.values())}

@@ -47,6 +47,7 @@ class FeedFollower:
                 was_ready = backend.ready
                 backend.residency = None
                 backend.feed_load = None
+                backend.adapters = {}
             if was_ready:
                 delay = RETRY_FIRST_S
             if error != last_error or was_ready:
@@ -98,9 +99,12 @@ def apply_line(backend: Backend, message: Snapshot | Update, expected: int | Non
     if isinstance(message, Snapshot):
         scheme = HashScheme(message.block_size, message.hash_seed)
         backend.residency = Residency(scheme, set(hashes(message.blocks)))
+        backend.adapters = {a.name: a for a in message.adapters}
     elif backend.residency is None or message.seq != expected:
         raise FeedError(f"{backend.url}: update {message.seq} out of order (expected {expected})")
     else:
         backend.residency.apply([bytes.fromhex(h) for h in message.removed], hashes(message.stored))
+        if message.adapters is not None:
+            backend.adapters = {a.name: a for a in message.adapters}
     backend.feed_load = message.load
     return message.seq + 1

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-from pagedllm.router.feed_messages import Load
+from pagedllm.router.feed_messages import Adapter, Load
 from pagedllm.router.residency import Residency
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,8 @@ class Backend:
     # None until the feed's snapshot arrives, and again whenever the feed is lost.
     residency: Residency | None = None
     feed_load: Load | None = None
+    # The LoRA adapters the node serves, by name, as its feed last listed them.
+    adapters: dict[str, Adapter] = field(default_factory=dict)
     # This router's requests in flight there by their prompt's placement key (the policy's
     # per-prompt load bound); their sum is ``in_flight``.
     prompts: Counter[bytes] = field(default_factory=Counter, repr=False)

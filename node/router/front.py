@@ -28,6 +28,7 @@ from pagedllm.api.event_stream import until_disconnect
 from pagedllm.api.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.router.hashing import PromptHashes
 from pagedllm.router.prompts import routing_prompt
+from pagedllm.router.routing import requested_adapter
 from pagedllm.router.state import RouterState
 
 log = logging.getLogger(__name__)
@@ -95,10 +96,11 @@ class ForwardingFront:
             body = _parse(raw, model)
             prompt = await routing_prompt(state.ctx, body)
             backends = await state.router.ready_backends()
+            adapter = requested_adapter(body.model, state.ctx.model_names, backends)
             hashes = PromptHashes(prompt.head)
-            if prompt.rest is not None and state.router.holds_all(hashes, backends):
+            if prompt.rest is not None and state.router.holds_all(hashes, backends, adapter):
                 hashes = PromptHashes(await prompt.whole(state.ctx))
-            choice = state.router.choose(hashes, backends)
+            choice = state.router.choose(hashes, backends, adapter)
             sent = _once(
                 lambda: state.metrics.routing_seconds.observe(time.perf_counter() - arrived)
             )

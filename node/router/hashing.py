@@ -16,23 +16,31 @@ class HashScheme:
 
 
 def block_hashes(
-    token_ids: list[int], scheme: HashScheme, max_blocks: int | None = None
+    token_ids: list[int],
+    scheme: HashScheme,
+    max_blocks: int | None = None,
+    adapter: tuple[str, str] | None = None,
 ) -> list[bytes]:
-    """The hashes of the prompt's full blocks, first to last (at most ``max_blocks``)."""
+    """The hashes of the prompt's full blocks, first to last (at most ``max_blocks``), for
+    the base model or a LoRA ``adapter`` (its (name, path) key, as the node's feed lists it:
+    the node roots an adapter's blocks at it)."""
     if max_blocks is not None:
         token_ids = token_ids[: max_blocks * scheme.block_size]
-    return chained_hashes(root_hash(scheme.seed), token_ids, scheme.block_size)
+    return chained_hashes(root_hash(scheme.seed, adapter), token_ids, scheme.block_size)
 
 
 class PromptHashes:
-    """One prompt's hashes per scheme, computed once however many nodes share a scheme."""
+    """One prompt's hashes per scheme (and adapter key), computed once however many nodes
+    share them."""
 
     def __init__(self, token_ids: list[int]) -> None:
         self.token_ids = token_ids
-        self._by_scheme: dict[HashScheme, list[bytes]] = {}
+        self._by_scheme: dict[tuple[HashScheme, tuple[str, str] | None], list[bytes]] = {}
 
-    def for_scheme(self, scheme: HashScheme) -> list[bytes]:
-        hashes = self._by_scheme.get(scheme)
+    def for_scheme(self, scheme: HashScheme, adapter: tuple[str, str] | None = None) -> list[bytes]:
+        hashes = self._by_scheme.get((scheme, adapter))
         if hashes is None:
-            hashes = self._by_scheme[scheme] = block_hashes(self.token_ids, scheme)
+            hashes = self._by_scheme[scheme, adapter] = block_hashes(
+                self.token_ids, scheme, adapter=adapter
+            )
         return hashes

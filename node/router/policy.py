@@ -17,6 +17,13 @@ evenly over the nodes' caches (the router remembers where it sent a prompt until
 feed reports it cached: requests sharing a system prompt land together and the next ones find
 it cached). ``least-load``, ``round-robin`` and ``random`` (what a
 Kubernetes Service does, for comparisons) ignore the caches.
+
+A request for a LoRA adapter goes only to nodes that serve it (the router filters them before
+asking here, whatever the policy). Under ``prefix`` it prefers, within the load bound, the
+nodes holding the adapter loaded (a load reads its files and may evict another adapter there),
+by cached prefix among them; held nowhere within the bound and cached nowhere, it goes to the
+node holding the fewest adapters loaded, so that a fleet's adapters spread over its nodes'
+LRUs instead of chasing each other out of one.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class Reason(str, Enum):
     PREFIX = "prefix"  # the longest cached prefix, within the load bound
     LOAD = "load"  # least loaded: the caching nodes were over the bound, or nothing to place by
     FALLBACK = "fallback"  # cached nowhere: placed by the hash of its leading tokens
+    ADAPTER = "adapter"  # a LoRA adapter's request, where the adapter is (or goes) loaded
     ROUND_ROBIN = "round-robin"
     RANDOM = "random"
 
@@ -57,6 +65,8 @@ class Candidate:
     load: int  # requests running and waiting there
     placed: int = 0  # prompts cached nowhere that were sent there so far
     prompt_load: int = 0  # requests with this prompt's placement key in flight there
+    adapter_loaded: bool = False  # the request's LoRA adapter is (or is about to be) loaded
+    adapters_loaded: int = 0  # LoRA adapters loaded there, or about to be
 
 
 @dataclass(frozen=True)
@@ -67,8 +77,12 @@ class Choice:
     key: bytes  # the prompt's placement key
 
 
-def placement_key(token_ids: Sequence[int]) -> bytes:
+def placement_key(token_ids: Sequence[int], adapter: str | None = None) -> bytes:
+    """The prompt's leading tokens, and its adapter: the same tokens for another adapter are
+    another prompt to the caches."""
     head = ",".join(map(str, token_ids[:PLACEMENT_TOKENS])).encode()
+    if adapter is not None:
+        head += b"|lora:" + adapter.encode()
     return hashlib.blake2b(head, digest_size=16).digest()
 
 
@@ -90,9 +104,11 @@ def choose(
     key: bytes,
     load_bound: float,
     turn: int,
+    adapter: bool = False,
 ) -> Choice:
-    """``candidates``: the ready nodes (at least one). ``key``: the prompt's placement key.
-    ``turn``: the round-robin counter, or a random draw for ``random``."""
+    """``candidates``: the ready nodes (at least one; for a LoRA adapter's request, those
+    serving it). ``key``: the prompt's placement key. ``turn``: the round-robin counter, or a
+    random draw for ``random``. ``adapter``: the request names a LoRA adapter."""
     if not candidates:
         raise ValueError("no candidates to choose from")
     ordered = sorted(candidates, key=lambda c: c.url)
@@ -102,7 +118,7 @@ def choose(
         return _first(ordered[turn % len(ordered)], candidates, key, Reason.RANDOM)
     if policy == Policy.LEAST_LOAD:
         return _first(_least_loaded(candidates, key), candidates, key, Reason.LOAD)
-    return _prefix(candidates, key, load_bound)
+    return _prefix(candidates, key, load_bound, adapter)
 
 
 def bounded_load(candidate: Candidate) -> int:
@@ -111,9 +127,15 @@ def bounded_load(candidate: Candidate) -> int:
     return candidate.prompt_load if candidate.cached_tokens > 0 else candidate.load
 
 
-def _prefix(candidates: Sequence[Candidate], key: bytes, load_bound: float) -> Choice:
+def _prefix(
+    candidates: Sequence[Candidate], key: bytes, load_bound: float, adapter: bool
+) -> Choice:
     cap = capacity([c.load for c in candidates], load_bound)
     within = [c for c in candidates if bounded_load(c) + 1 <= cap]
+    if adapter:
+        choice = _by_adapter(candidates, within, key)
+        if choice is not None:
+            return choice
     best = max(within, key=lambda c: (c.cached_tokens, -c.load, rendezvous(key, c.url)))
     if best.cached_tokens > 0:
         return _first(best, candidates, key, Reason.PREFIX)
@@ -121,6 +143,23 @@ def _prefix(candidates: Sequence[Candidate], key: bytes, load_bound: float) -> C
         return _first(_least_loaded(within, key), candidates, key, Reason.LOAD)
     placed = min(within, key=lambda c: (c.placed, -rendezvous(key, c.url)))
     return _first(placed, candidates, key, Reason.FALLBACK)
+
+
+def _by_adapter(
+    candidates: Sequence[Candidate], within: Sequence[Candidate], key: bytes
+) -> Choice | None:
+    """An adapter request's node: one within the bound holding it loaded (the longest cached
+    prefix among them), else, when no node caches the prompt, the one holding the fewest
+    adapters; None leaves it to the prompt's rules."""
+    held = [c for c in within if c.adapter_loaded]
+    if held:
+        best = max(held, key=lambda c: (c.cached_tokens, -c.load, rendezvous(key, c.url)))
+        reason = Reason.PREFIX if best.cached_tokens > 0 else Reason.ADAPTER
+        return _first(best, candidates, key, reason)
+    if any(c.cached_tokens > 0 for c in candidates):
+        return None
+    emptiest = min(within, key=lambda c: (c.adapters_loaded, c.load, -rendezvous(key, c.url)))
+    return _first(emptiest, candidates, key, Reason.ADAPTER)
 
 
 def _least_loaded(candidates: Sequence[Candidate], key: bytes) -> Candidate:

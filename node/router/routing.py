@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedllm.api.errors import unavailable
+from pagedllm.api.errors import ApiError, unavailable
 from pagedllm.router.fleet import Backend, Fleet
 from pagedllm.router.hashing import PromptHashes
 from pagedllm.router.metrics import RouterMetrics
@@ -17,6 +17,8 @@ from pagedllm.router.policy import Candidate, Choice, Policy, Reason, choose, pl
 # so itself (the prefill of a long prompt on a busy node can take this long).
 PENDING_S = 60.0
 # Expired entries are swept once a backend's pending map grows by this many.
+# (A LoRA adapter sent to a node counts as about to be loaded there for PENDING_S too, or
+# until the feed lists it loaded.)
 PENDING_SWEEP = 4096
 
 
@@ -38,6 +40,37 @@ class Pending:
 
     def holds(self, h: bytes, now: float) -> bool:
         return self.until.get(h, 0.0) > now
+
+
+def adapter_token(name: str) -> bytes:
+    """A LoRA adapter's entry in a backend's ``Pending``: sent there, so about to be loaded."""
+    return b"lora:" + name.encode()
+
+
+def serving(backends: list[Backend], adapter: str | None) -> list[Backend]:
+    """The backends a request may go to: for a LoRA adapter, those whose feed lists it."""
+    if adapter is None:
+        return backends
+    return [b for b in backends if adapter in b.adapters]
+
+
+def requested_adapter(
+    model: str | None, base_names: list[str], backends: list[Backend]
+) -> str | None:
+    """The LoRA adapter a request's ``model`` names (None: the base model), or a 404 naming
+    what the ready backends serve, as a node answers a model it does not serve."""
+    if model is None or model in base_names:
+        return None
+    if any(model in b.adapters for b in backends):
+        return model
+    served = sorted({name for b in backends for name in b.adapters})
+    raise ApiError(
+        404,
+        f"The model `{model}` does not exist; the fleet serves {', '.join([*base_names, *served])}",
+        "not_found_error",
+        "model_not_found",
+        "model",
+    )
 
 
 def cached_tokens(backend: Backend, hashes: list[bytes], pending: Pending, now: float) -> int:
@@ -110,29 +143,36 @@ class Router:
             )
         return ready
 
-    def holds_all(self, prompt: PromptHashes, backends: list[Backend]) -> bool:
+    def holds_all(
+        self, prompt: PromptHashes, backends: list[Backend], adapter: str | None = None
+    ) -> bool:
         """Whether some backend holds, or will, every full block of ``prompt``: only then can
         the tokens after them change the choice."""
         now = time.monotonic()
-        for b in backends:
+        for b in serving(backends, adapter):
             if b.residency is None:
                 continue
-            blocks = len(prompt.for_scheme(b.residency.scheme))
-            if self._cached(prompt, b, now) == blocks * b.residency.scheme.block_size:
+            blocks = len(prompt.for_scheme(b.residency.scheme, _key(b, adapter)))
+            if self._cached(prompt, b, now, adapter) == blocks * b.residency.scheme.block_size:
                 return True
         return False
 
-    def choose(self, prompt: PromptHashes, backends: list[Backend]) -> Choice:
+    def choose(
+        self, prompt: PromptHashes, backends: list[Backend], adapter: str | None = None
+    ) -> Choice:
+        """Where ``prompt`` goes, among ``backends`` (for a LoRA ``adapter``, those serving
+        it: ``requested_adapter`` made sure there is one)."""
         now = time.monotonic()
-        ready = {b.url: b for b in backends if b.residency is not None}
-        key = placement_key(prompt.token_ids)
+        ready = {b.url: b for b in serving(backends, adapter) if b.residency is not None}
+        key = placement_key(prompt.token_ids, adapter)
         candidates = [
             Candidate(
                 b.url,
-                self._cached(prompt, b, now),
+                self._cached(prompt, b, now, adapter),
                 b.load,
                 self._placed.get(b.url, 0),
                 b.prompts[key],
+                *self._adapters_at(b, adapter, now),
             )
             for b in ready.values()
         ]
@@ -140,10 +180,20 @@ class Router:
             turn = self.rng.randrange(len(candidates))
         else:
             turn, self._turn = self._turn, self._turn + 1
-        choice = choose(self.settings.policy, candidates, key, self.settings.load_bound, turn)
+        choice = choose(
+            self.settings.policy,
+            candidates,
+            key,
+            self.settings.load_bound,
+            turn,
+            adapter is not None,
+        )
         chosen = choice.order[0]
         scheme = ready[chosen].residency.scheme  # type: ignore[union-attr]
-        self._pending_of(chosen).add(prompt.for_scheme(scheme), now)
+        pending = self._pending_of(chosen)
+        pending.add(prompt.for_scheme(scheme, _key(ready[chosen], adapter)), now)
+        if adapter is not None:
+            pending.add([adapter_token(adapter)], now)
         if choice.reason == Reason.FALLBACK:
             self._placed[chosen] = self._placed.get(chosen, 0) + 1
         self._forget_gone()
@@ -151,11 +201,31 @@ class Router:
         self.metrics.cached_tokens.observe(choice.cached_tokens)
         return choice
 
-    def _cached(self, prompt: PromptHashes, backend: Backend, now: float) -> int:
-        """The leading tokens of ``prompt`` that ``backend`` (which has a residency) holds, or
-        will once what was sent to it is prefilled."""
-        hashes = prompt.for_scheme(backend.residency.scheme)  # type: ignore[union-attr]
+    def _cached(
+        self, prompt: PromptHashes, backend: Backend, now: float, adapter: str | None
+    ) -> int:
+        """The leading tokens of ``prompt`` that ``backend`` (which has a residency and serves
+        ``adapter``) holds, or will once what was sent to it is prefilled."""
+        scheme = backend.residency.scheme  # type: ignore[union-attr]
+        hashes = prompt.for_scheme(scheme, _key(backend, adapter))
         return cached_tokens(backend, hashes, self._pending_of(backend.url), now)
+
+    def _adapters_at(self, backend: Backend, adapter: str | None, now: float) -> tuple[bool, int]:
+        """Whether ``adapter`` is loaded at ``backend`` or about to be (sent there lately,
+        until the feed says it is loaded: from then on the feed alone says, so that an
+        eviction shows), and how many adapters are so there."""
+        if adapter is None:
+            return False, 0
+        pending = self._pending_of(backend.url)
+        count, this = 0, False
+        for name, state in backend.adapters.items():
+            token = adapter_token(name)
+            if state.loaded:
+                pending.until.pop(token, None)
+            held = state.loaded or pending.holds(token, now)
+            count += held
+            this = this or (held and name == adapter)
+        return this, count
 
     def _pending_of(self, url: str) -> Pending:
         pending = self._pending.get(url)
@@ -169,3 +239,9 @@ class Router:
             for url in [u for u in self._pending if u not in self.fleet.backends]:
                 del self._pending[url]
                 self._placed.pop(url, None)
+
+
+def _key(backend: Backend, adapter: str | None) -> tuple[str, str] | None:
+    """The adapter's identity at ``backend`` (its prefix-cache root): the name and the path
+    that node loads it from, which may differ between nodes."""
+    return None if adapter is None else backend.adapters[adapter].key

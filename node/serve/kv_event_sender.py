@@ -1,5 +1,6 @@
-"""The scheduler's side of the KV-events feed: the prefix cache's changes and the load, sent to
-every API server.
+"""The scheduler's side of the KV-events feed: the prefix cache's changes, the load and the LoRA
+adapters (those requests may name, and which the scheduler's LRU holds loaded), sent to every
+API server.
 
 After each step the changes the block pool recorded go out in one ``KVEvents`` with the load,
 when there are any or the request counts moved; when nothing moves, a load-only ``KVEvents``
@@ -15,7 +16,7 @@ import time
 import zmq
 
 from pagedllm.core.block_pool import BlockPool
-from pagedllm.core.kv_events import NodeLoad, group_updates
+from pagedllm.core.kv_events import AdapterState, NodeLoad, adapter_states, group_updates
 from pagedllm.core.reporting import SchedulerStats
 from pagedllm.ipc import messages
 from pagedllm.ipc.messages import CacheLayout, KVEvents
@@ -31,18 +32,30 @@ class KVEventSender:
         pool.record_events()
         self._send(messages.encode(layout))
         self._counts: tuple[int, int] | None = None
+        # The adapters last sent: the API servers start knowing none.
+        self._adapters: list[AdapterState] = []
         self._sent_at = time.monotonic()
 
-    def publish(self, stats: SchedulerStats) -> None:
-        """Send what changed since the last call, if anything did or a heartbeat is due."""
+    def publish(self, stats: SchedulerStats, served: dict[str, str]) -> None:
+        """Send what changed since the last call, if anything did or a heartbeat is due.
+        ``served``: the adapters requests may name (name -> directory)."""
         events = self.pool.take_events()
         counts = (stats.num_running, stats.num_waiting)
+        adapters = adapter_states(served, stats.loaded_adapters)
+        changed = adapters != self._adapters
         now = time.monotonic()
-        if not events and counts == self._counts and now - self._sent_at < HEARTBEAT_S:
+        if (
+            not events
+            and not changed
+            and counts == self._counts
+            and now - self._sent_at < HEARTBEAT_S
+        ):
             return
         load = NodeLoad(stats.num_running, stats.num_waiting, stats.kv_usage)
-        self._send(messages.encode(KVEvents(group_updates(events), load)))
+        message = KVEvents(group_updates(events), load, adapters if changed else None)
+        self._send(messages.encode(message))
         self._counts = counts
+        self._adapters = adapters
         self._sent_at = now
 
     def _send(self, data: bytes) -> None:

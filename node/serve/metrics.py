@@ -238,6 +238,11 @@ class SchedulerMetrics:
             multiprocess_mode="mostrecent",
         )
         self._adapters: set[str] = set()
+        self.lora_loads = _counter(
+            "pagedllm:lora_adapter_loads",
+            "LoRA adapters loaded into the workers (each load reads the adapter's files).",
+            model,
+        )
         self._model = model
         # The totals last reported, so that the counters grow by the difference.
         self._totals: dict[Counter, int] = {}
@@ -273,6 +278,7 @@ class SchedulerMetrics:
             (self.preemptions, stats.num_preemptions),
             (self.prompt_tokens, stats.prompt_tokens),
             (self.generation_tokens, stats.generation_tokens),
+            (self.lora_loads, stats.lora_loads),
             *self._spec_totals(stats),
         ):
             before = self._totals.get(counter, 0)

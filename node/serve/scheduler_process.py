@@ -201,7 +201,7 @@ class SchedulerLoop:
     def _report(self) -> None:
         stats = self.scheduler.stats()
         self.metrics.observe(stats)
-        self.kv_events.publish(stats)
+        self.kv_events.publish(stats, {} if self.loras is None else self.loras.adapters)
         self.kv_map.publish(stats)
 
     def _wait_for_requests(self) -> None:

@@ -127,6 +127,7 @@ def _serve(spec: WorkerSpec) -> None:
             runner.model_config.vocab_size,
             runner.last_samples,
             None if runner.grammars is None else runner.grammars.grammars,
+            None if runner.loras is None else runner.loras.held(),
         )
         if problem is not None:
             # Never silently: the scheduler waits for this step and must learn it will not come.

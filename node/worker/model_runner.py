@@ -218,6 +218,7 @@ class ModelRunner:
             pairs = torch.tensor(plan.block_copies, dtype=torch.long, device=self.device)
             self.ops.copy_blocks(self.kv_caches, pairs)
         if self.loras is not None:
+            self.loras.follow(plan.lora_drops, plan.lora_loads)
             tokens = [(self.seqs[seq_id].lora, n) for seq_id, n in plan.scheduled]
             self.loras.prepare(tokens, self.device)
 

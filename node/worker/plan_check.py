@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Container, Mapping
 
 from pagedllm.core.step_plan import LAST_SAMPLE, NewSequence, StepPlan
+from pagedllm.lora.request import adapter_plan_problem
 
 
 def plan_problem(
@@ -20,10 +21,12 @@ def plan_problem(
     vocab_size: int,
     last_sampled: Container[int] = frozenset(),
     grammars: Container[str] | None = None,
+    adapters: tuple[set[tuple[str, str]], int] | None = None,
 ) -> str | None:
     """What makes ``plan`` impossible to execute on ``seqs``, or None. ``last_sampled`` holds
     the sequences the worker has a sample of, which a ``LAST_SAMPLE`` token may stand for;
-    ``grammars`` the keys of the grammars the worker can follow (None: it does not sample)."""
+    ``grammars`` the keys of the grammars the worker can follow (None: it does not sample);
+    ``adapters`` the LoRA adapters it holds loaded and how many fit (None: LoRA is off)."""
     # (tokens, blocks, computed) of every sequence as the plan leaves it
     gone = set(plan.finished)
     after: dict[int, tuple[int, int, int]] = {
@@ -67,7 +70,36 @@ def plan_problem(
         known_end = end - len(plan.drafts.get(seq_id, ()))
         if n < 1 or computed < 0 or known_end > num_tokens or end > num_blocks_held * block_size:
             return f"sequence {seq_id}: cannot compute tokens {computed}..{end}"
-    return _misplaced_draft(plan, after, vocab_size) or _missing_grammar(plan, grammars)
+    return (
+        _misplaced_draft(plan, after, vocab_size)
+        or _missing_grammar(plan, grammars)
+        or _adapter_problem(plan, seqs, adapters)
+    )
+
+
+def _adapter_problem(
+    plan: StepPlan,
+    seqs: Mapping[int, NewSequence],
+    adapters: tuple[set[tuple[str, str]], int] | None,
+) -> str | None:
+    """The plan's adapter loads and drops must fit what the worker holds, and leave loaded
+    every adapter the step runs: the scheduler's LRU decides, the worker follows."""
+    if adapters is None:
+        if plan.lora_loads or plan.lora_drops:
+            return "the plan loads or drops LoRA adapters, but LoRA is off"
+        return None
+    held, capacity = adapters
+    problem = adapter_plan_problem(held, capacity, plan.lora_drops, plan.lora_loads)
+    if problem is not None:
+        return problem
+    after = (held - set(plan.lora_drops)) | {r.key for r in plan.lora_loads}
+    new = {s.seq_id: s for s in plan.new}
+    for seq_id, _ in plan.scheduled:
+        seq = new.get(seq_id) or seqs.get(seq_id)
+        lora = None if seq is None else seq.lora
+        if lora is not None and lora.key not in after:
+            return f"sequence {seq_id} runs LoRA adapter {lora.lora_name!r}, which is not loaded"
+    return None
 
 
 def _misplaced_draft(

@@ -24,7 +24,7 @@ from pagedllm.api.app import build_app
 from pagedllm.api.engine_client import EngineClient, NodeState
 from pagedllm.api.serving import ServingContext
 from pagedllm.core.block_manager import root_hash
-from pagedllm.core.kv_events import CacheEvent, NodeLoad, group_updates
+from pagedllm.core.kv_events import FEED_VERSION, CacheEvent, NodeLoad, group_updates
 from pagedllm.ipc import messages, sockets
 from pagedllm.serve.metrics import RequestRecorder
 from pagedllm_testing.serve_harness import free_port
@@ -164,12 +164,14 @@ def test_503_until_the_node_is_ready_and_the_scheduler_said_how_it_hashes() -> N
             (snapshot,) = await subscriber.wait_lines(1)
             assert snapshot == {
                 "type": "snapshot",
+                "version": FEED_VERSION,
                 "seq": 0,
                 "block_size": 16,
                 "hash_seed": 7,
                 "num_blocks": 64,
                 "blocks": [],
                 "load": {"running": 0, "waiting": 0, "kv_usage": 0.0},
+                "adapters": [],
             }
             await subscriber.close()
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.block_manager import block_hash, root_hash
-from pagedllm.core.kv_events import HASH_BYTES, KVUpdate, NodeLoad
+from pagedllm.core.kv_events import HASH_BYTES, AdapterState, KVUpdate, NodeLoad
 from pagedllm.core.kv_map import SHOWN_HASH_BYTES, KVMap, MapTotals, SeqBlocks
 from pagedllm.core.step_plan import SeqSample, StepPlan, StepResult
 from pagedllm.ipc import messages
@@ -126,6 +126,12 @@ CONSTRAINED: dict[type, st.SearchStrategy[Any]] = {
         stored=st.lists(st.tuples(block_hashes, block_hashes), max_size=4),
         removed=st.lists(block_hashes, max_size=4),
     ),
+    AdapterState: st.builds(
+        AdapterState,
+        name=st.text(min_size=1, max_size=12),
+        path=st.text(min_size=1, max_size=12),
+        loaded=st.booleans(),
+    ),
     NodeLoad: st.builds(
         NodeLoad,
         running=st.integers(0, INT64_MAX),
@@ -222,18 +228,23 @@ def test_kv_events_carry_real_block_hashes_and_heartbeats() -> None:
     assert messages.decode(messages.encode(sent)) == sent
     heartbeat = messages.KVEvents([], load)
     assert messages.decode(messages.encode(heartbeat)) == heartbeat
+    adapters = [AdapterState("sql", "/adapters/sql", True), AdapterState("law", "/l", False)]
+    changed = messages.KVEvents([], load, adapters)
+    assert messages.decode(messages.encode(changed)) == changed
 
 
 @pytest.mark.parametrize(
     ("payload", "complaint"),
     [
-        ([[[[[b"short", b"x" * 16]], []]], [0, 0, 0.0]], "16 bytes"),
-        ([[], [-1, 0, 0.0]], "negative request counts"),
-        ([[], [0, 0, 1.5]], "kv_usage"),
-        ([[], [0, 0]], "NodeLoad"),
+        ([[[[[b"short", b"x" * 16]], []]], [0, 0, 0.0], None], "16 bytes"),
+        ([[], [-1, 0, 0.0], None], "negative request counts"),
+        ([[], [0, 0, 1.5], None], "kv_usage"),
+        ([[], [0, 0], None], "NodeLoad"),
+        ([[], [0, 0, 0.0], [["", "/a", True]]], "name and a path"),
     ],
 )
 def test_malformed_kv_events_are_refused(payload: Any, complaint: str) -> None:
-    wire = msgpack.packb(["kv_events", 1, payload], use_bin_type=True)
+    version = messages.SCHEMAS["kv_events"].version
+    wire = msgpack.packb(["kv_events", version, payload], use_bin_type=True)
     with pytest.raises(WireError, match=complaint):
         messages.decode(wire)

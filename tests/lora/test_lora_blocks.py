@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import settings
 from hypothesis.stateful import invariant
 
-from pagedllm.core.block_manager import adapter_key, chained_hashes, root_hash
+from pagedllm.core.block_manager import chained_hashes, root_hash
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
@@ -50,7 +50,9 @@ class LoRASchedulerMachine(SchedulerMachine):
         for seq in self.scheduler.running:
             count = seq.blocks.num_registered
             expected = chained_hashes(
-                root_hash(0, adapter_key(seq.request.lora)), seq.token_ids[: count * bs], bs
+                root_hash(0, None if seq.request.lora is None else seq.request.lora.key),
+                seq.token_ids[: count * bs],
+                bs,
             )
             assert [pool.blocks[b].content_hash for b in seq.blocks.ids[:count]] == expected
 

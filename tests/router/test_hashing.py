@@ -18,6 +18,7 @@ from pagedllm.api.tokenizing import TokenizingContext
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.request_delta import RequestTimings
 from pagedllm.core.sequence import Request, Sequence
+from pagedllm.lora.request import LoRARequest
 from pagedllm.router.hashing import HashScheme, PromptHashes, block_hashes
 from pagedllm.router.prompts import HEAD_CHARS, ROUTE_TEXT_CHARS, routing_prompt, routing_tokens
 from pagedllm.router.residency import Residency
@@ -257,3 +258,24 @@ def _node_ctx(ctx: TokenizingContext) -> ServingContext:
         client=None,  # type: ignore[arg-type]
         metrics=None,  # type: ignore[arg-type]
     )
+
+
+def test_adapter_prompts_hash_as_the_node_roots_them() -> None:
+    """A LoRA adapter's blocks are rooted at its (name, path) key, as the node's feed lists
+    it: the router predicts the node's hit for the adapter, and none for the base model or
+    the same name loaded from another directory."""
+    tokens = list(range(3, 3 + 64))
+    scheme = HashScheme(16, 5)
+    sql = LoRARequest("sql", 1, "/adapters/sql")
+    bm = BlockManager(num_blocks=64, block_size=16, seed=5)
+    request = Request("r", tokens, SamplingParams(), (), RequestTimings(0.0), lora=sql)
+    seq = Sequence(0, request, list(tokens))
+    assert bm.allocate(seq, len(tokens), bm.find_prefix(seq))
+    seq.num_computed_tokens = seq.num_kv_tokens = len(tokens)
+    bm.register_computed(seq)
+    residency = Residency(scheme, set(bm.pool._by_hash))
+    prompt = PromptHashes(tokens)
+    assert residency.cached_tokens(prompt.for_scheme(scheme, sql.key)) == 64
+    assert residency.cached_tokens(prompt.for_scheme(scheme)) == 0
+    assert residency.cached_tokens(prompt.for_scheme(scheme, ("sql", "/elsewhere"))) == 0
+    assert prompt.for_scheme(scheme, sql.key) == block_hashes(tokens, scheme, adapter=sql.key)

@@ -158,3 +158,42 @@ def test_prompts_cached_nowhere_spread_by_placements_so_far() -> None:
     for i in range(20):
         choice = choose(Policy.PREFIX, candidates, placement_key([i] * 128), 1.25, 0)
         assert choice.order[0] in (B, C) and choice.reason == Reason.FALLBACK
+
+
+def adapter_nodes(*specs: tuple[str, int, int, bool, int]) -> list[Candidate]:
+    """(url, cached tokens, load, adapter loaded there, adapters loaded there)."""
+    return [
+        Candidate(url, cached, load, prompt_load=load, adapter_loaded=held, adapters_loaded=n)
+        for url, cached, load, held, n in specs
+    ]
+
+
+@pytest.mark.parametrize(
+    ("specs", "chosen", "reason"),
+    [
+        # Held by B only: B, though C is less loaded.
+        (((A, 0, 2, False, 1), (B, 0, 2, True, 2), (C, 0, 1, False, 0)), B, Reason.ADAPTER),
+        # Among nodes holding it, the longest cached prefix wins, as a prefix hit.
+        (((A, 64, 1, True, 1), (B, 0, 1, True, 2), (C, 0, 0, False, 0)), A, Reason.PREFIX),
+        # Loads 9, 1, 2 bound a node at 6: A's copy is passed over, and the adapter, held
+        # nowhere within the bound, goes where the LRU has room (fewest adapters loaded).
+        (((A, 0, 9, True, 2), (B, 0, 1, False, 2), (C, 0, 2, False, 0)), C, Reason.ADAPTER),
+        (((A, 0, 0, False, 2), (B, 0, 0, False, 1), (C, 0, 0, False, 2)), B, Reason.ADAPTER),
+    ],
+)
+def test_an_adapter_request_goes_where_its_adapter_is_loaded_within_the_bound(
+    specs: tuple[tuple[str, int, int, bool, int], ...], chosen: str, reason: Reason
+) -> None:
+    key = placement_key(list(range(200)), "sql")
+    assert key != KEY  # the same tokens for another adapter are another prompt
+    choice = choose(Policy.PREFIX, adapter_nodes(*specs), key, 1.25, 0, adapter=True)
+    assert choice.order[0] == chosen and choice.reason == reason
+
+
+def test_random_placement_ignores_the_adapters() -> None:
+    key = placement_key([1, 2, 3], "sql")
+    held = adapter_nodes((A, 0, 0, True, 1), (B, 0, 0, False, 0), (C, 0, 0, False, 0))
+    picks = {
+        choose(Policy.RANDOM, held, key, 1.25, turn, adapter=True).order[0] for turn in range(3)
+    }
+    assert picks == {A, B, C}

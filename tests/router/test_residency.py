@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.block_manager import BlockManager, root_hash
+from pagedllm.core.kv_events import FEED_VERSION
 from pagedllm.core.request_delta import RequestTimings
 from pagedllm.core.sequence import Request, Sequence
 from pagedllm.router.feed import apply_line, lines_of
@@ -76,12 +77,14 @@ class Node:
         return json.dumps(
             {
                 "type": "snapshot",
+                "version": FEED_VERSION,
                 "seq": 0,
                 "block_size": BLOCK_SIZE,
                 "hash_seed": SEED,
                 "num_blocks": NUM_BLOCKS,
                 "blocks": blocks,
                 "load": {**LOAD, "running": len(self.running)},
+                "adapters": [],
             }
         )
 
@@ -97,6 +100,7 @@ class Node:
                 "stored": [self.pair(h) for h in stored],
                 "removed": [h.hex() for h in removed],
                 "load": {**LOAD, "running": len(self.running)},
+                "adapters": [],
             }
         )
 
@@ -168,13 +172,16 @@ ZERO = {"running": 0, "waiting": 0, "kv_usage": 0}
 UPDATE = {"type": "update", "seq": 1, "stored": [], "removed": [], "load": ZERO}
 SNAPSHOT = {
     "type": "snapshot",
+    "version": FEED_VERSION,
     "seq": 0,
     "block_size": 16,
     "hash_seed": 0,
     "num_blocks": 1,
     "blocks": [],
     "load": ZERO,
+    "adapters": [],
 }
+ADAPTER = {"name": "sql", "path": "/adapters/sql", "loaded": True}
 
 
 @pytest.mark.parametrize(
@@ -187,6 +194,11 @@ SNAPSHOT = {
         (json.dumps({**UPDATE, "load": {**ZERO, "running": -1}}), "running"),
         (json.dumps({**UPDATE, "load": {**ZERO, "kv_usage": 2}}), "kv_usage"),
         ('{"type": "gossip"}', "type"),
+        (json.dumps({**SNAPSHOT, "version": 1}), "feed version 1"),
+        (json.dumps({k: v for k, v in SNAPSHOT.items() if k != "adapters"}), "adapters"),
+        (json.dumps({**SNAPSHOT, "adapters": [{**ADAPTER, "name": ""}]}), "name"),
+        (json.dumps({**UPDATE, "adapters": [{**ADAPTER, "loaded": "maybe"}]}), "loaded"),
+        (json.dumps({**UPDATE, "adapters": [{"name": "sql", "loaded": True}]}), "path"),
         ("[1, 2]", "kv_events"),
     ],
 )

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
-from pagedllm.router.feed_messages import Load
+import pytest
+
+from pagedllm.api.errors import ApiError
+from pagedllm.router.feed_messages import Adapter, Load
 from pagedllm.router.fleet import Backend, Fleet
 from pagedllm.router.hashing import HashScheme, PromptHashes, block_hashes
 from pagedllm.router.metrics import RouterMetrics
 from pagedllm.router.policy import Reason
 from pagedllm.router.residency import Residency
-from pagedllm.router.routing import Router, RoutingSettings
+from pagedllm.router.routing import Router, RoutingSettings, requested_adapter
 
 URLS = ["http://a:1", "http://b:1", "http://c:1"]
 SCHEME = HashScheme(16, 0)
@@ -88,6 +91,63 @@ def test_a_head_decides_unless_a_node_holds_all_of_it() -> None:
         # Sent somewhere whole, the head is held there until the feed says otherwise.
         router.choose(PromptHashes(prompt(0, 0)), fleet.ready())
         assert router.holds_all(PromptHashes(head), fleet.ready())
+        await fleet.close()
+
+    asyncio.run(scenario())
+
+
+def with_adapters(fleet: Fleet, served: dict[str, dict[str, bool]]) -> None:
+    """url -> {adapter name: loaded}, as the nodes' feeds list them."""
+    for url, adapters in served.items():
+        fleet.backends[url].adapters = {
+            name: Adapter(name=name, path=f"/adapters/{name}", loaded=loaded)
+            for name, loaded in adapters.items()
+        }
+
+
+def test_an_adapter_request_goes_only_to_nodes_serving_it() -> None:
+    async def scenario() -> None:
+        fleet, router = fleet_of_three()
+        with_adapters(fleet, {URLS[0]: {"sql": False}, URLS[1]: {"law": False}})
+        for question in range(4):
+            choice = router.choose(PromptHashes(prompt(0, question)), fleet.ready(), "law")
+            assert choice.order == [URLS[1]]
+        with pytest.raises(ApiError) as refused:
+            requested_adapter("poetry", ["base"], fleet.ready())
+        assert refused.value.status == 404 and "law, sql" in refused.value.message
+        assert requested_adapter("sql", ["base"], fleet.ready()) == "sql"
+        assert requested_adapter("base", ["base"], fleet.ready()) is None
+        await fleet.close()
+
+    asyncio.run(scenario())
+
+
+def test_adapter_requests_follow_the_adapter_until_an_eviction_shows() -> None:
+    async def scenario() -> None:
+        fleet, router = fleet_of_three()
+        names = {"a0": False, "a1": False, "a2": False}
+        with_adapters(fleet, {url: dict(names) for url in URLS})
+        # Each adapter, held nowhere, goes to a node holding none yet: one per node.
+        first = {
+            name: router.choose(PromptHashes(prompt(i, 0)), fleet.ready(), name)
+            for i, name in enumerate(names)
+        }
+        assert {c.reason for c in first.values()} == {Reason.ADAPTER}
+        assert sorted(c.order[0] for c in first.values()) == sorted(URLS)
+        # Before any feed says it is loaded, another prompt for it follows it there.
+        for i, name in enumerate(names):
+            again = router.choose(PromptHashes(prompt(10 + i, 0)), fleet.ready(), name)
+            assert again.order[0] == first[name].order[0]
+            assert again.reason == Reason.ADAPTER
+        # The feed lists a0 loaded, then evicted: from then on the feed alone says.
+        home = first["a0"].order[0]
+        fleet.backends[home].adapters["a0"] = Adapter(name="a0", path="/adapters/a0", loaded=True)
+        router.choose(PromptHashes(prompt(20, 0)), fleet.ready(), "a0")
+        fleet.backends[home].adapters["a0"] = Adapter(name="a0", path="/adapters/a0", loaded=False)
+        other = next(url for url in URLS if url != home)
+        fleet.backends[other].adapters["a0"] = Adapter(name="a0", path="/adapters/a0", loaded=True)
+        after = router.choose(PromptHashes(prompt(21, 0)), fleet.ready(), "a0")
+        assert after.order[0] == other and after.reason == Reason.ADAPTER
         await fleet.close()
 
     asyncio.run(scenario())
