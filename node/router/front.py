@@ -96,7 +96,7 @@ class ForwardingFront:
             body = _parse(raw, model)
             prompt = await routing_prompt(state.ctx, body)
             backends = await state.router.ready_backends()
-            adapter = requested_adapter(body.model, state.ctx.model_names, backends)
+            adapter = requested_adapter(body.model, backends)
             hashes = PromptHashes(prompt.head)
             if prompt.rest is not None and state.router.holds_all(hashes, backends, adapter):
                 hashes = PromptHashes(await prompt.whole(state.ctx))

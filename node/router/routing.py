@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedllm.api.errors import ApiError, unavailable
+from pagedllm.api.errors import unavailable
 from pagedllm.router.fleet import Backend, Fleet
 from pagedllm.router.hashing import PromptHashes
 from pagedllm.router.metrics import RouterMetrics
@@ -54,23 +54,15 @@ def serving(backends: list[Backend], adapter: str | None) -> list[Backend]:
     return [b for b in backends if adapter in b.adapters]
 
 
-def requested_adapter(
-    model: str | None, base_names: list[str], backends: list[Backend]
-) -> str | None:
-    """The LoRA adapter a request's ``model`` names (None: the base model), or a 404 naming
-    what the ready backends serve, as a node answers a model it does not serve."""
-    if model is None or model in base_names:
+def requested_adapter(model: str | None, backends: list[Backend]) -> str | None:
+    """The LoRA adapter a request's ``model`` names, if a ready backend's feed lists it; else
+    None, a request for the base model. A name that is neither goes to a node like one for the
+    base model, and the node answers it with its own 404 (``model_not_found``), as without the
+    router: the names the router was given may not be the nodes' (a router started with the
+    model's directory in front of nodes serving it as ``pagedllm-demo``)."""
+    if model is None or not any(model in b.adapters for b in backends):
         return None
-    if any(model in b.adapters for b in backends):
-        return model
-    served = sorted({name for b in backends for name in b.adapters})
-    raise ApiError(
-        404,
-        f"The model `{model}` does not exist; the fleet serves {', '.join([*base_names, *served])}",
-        "not_found_error",
-        "model_not_found",
-        "model",
-    )
+    return model
 
 
 def cached_tokens(backend: Backend, hashes: list[bytes], pending: Pending, now: float) -> int:
