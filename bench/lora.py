@@ -13,12 +13,13 @@ unless ``--router-model`` names another) serves six adapters (rank 16) with
 ``--max-cpu-loras 2`` each; a stream of requests names the adapters in a seeded random order
 (short random-word prompts, a few output tokens, ``--concurrency`` clients). The same stream
 runs through a router with ``--policy prefix`` (adapter-aware) and one with ``--policy
-random`` (what a Kubernetes Service does), each on fresh nodes. Compared: adapter loads (the
-sum over the nodes of ``pagedllm:lora_adapter_loads_total``) and TTFT p50; targets: fewer
-loads and a lower TTFT p50 than random.
+random`` (what a Kubernetes Service does), each on fresh nodes, alternating ``--repeats``
+times. Compared (medians): adapter loads (the sum over the nodes of
+``pagedllm:lora_adapter_loads_total``) and TTFT p50; targets: fewer loads and a lower TTFT
+p50 than random.
 
     python bench/lora.py [--part batch] [--repeats 3] [--requests 16] [--rank 16]
-    python bench/lora.py --part router [--router-requests 90] [--concurrency 3]
+    python bench/lora.py --part router [--repeats 3] [--router-requests 90] [--concurrency 3]
 """
 
 from __future__ import annotations
@@ -162,27 +163,35 @@ def router_part(args: argparse.Namespace) -> None:
     model = common.resolve_model(args.router_model)
     workdir = Path(tempfile.mkdtemp(prefix="pagedllm-lora-router-"))
     adapters = make_adapters(model, workdir, ROUTER_ADAPTERS, args.rank)
-    runs = {}
-    for policy in ("prefix", "random"):
-        print(f"policy {policy}: {args.router_requests} requests ...", flush=True)
-        runs[policy] = fleet_run(args, model, adapters, policy, workdir)
-        print(f"    {runs[policy]}", flush=True)
-    aware, spread = runs["prefix"], runs["random"]
+    runs: dict[str, list[dict[str, Any]]] = {"prefix": [], "random": []}
+    for repeat in range(args.repeats):
+        # Alternating, so that a slower stretch of the machine falls on both.
+        for policy in ("prefix", "random") if repeat % 2 == 0 else ("random", "prefix"):
+            print(f"run {repeat + 1}, policy {policy}: {args.router_requests} requests", flush=True)
+            runs[policy].append(fleet_run(args, model, adapters, policy, workdir))
+            print(f"    {runs[policy][-1]}", flush=True)
+    fields = ("adapter_loads", "ttft_p50_ms", "ttft_p99_ms", "errors")
+    medians = {
+        policy: {f: statistics.median(run[f] for run in done) for f in fields}
+        for policy, done in runs.items()
+    }
+    aware, spread = medians["prefix"], medians["random"]
     common.print_table(
-        ["placement", "adapter loads", "TTFT p50 ms", "TTFT p99 ms", "errors", "routed by"],
+        ["placement", "adapter loads", "TTFT p50 ms", "TTFT p99 ms", "errors", "runs (loads, p50)"],
         [
             [
                 name,
-                run["adapter_loads"],
-                run["ttft_p50_ms"],
-                run["ttft_p99_ms"],
-                run["errors"],
-                ", ".join(f"{k} {v:g}" for k, v in run["routed_by_reason"].items() if v),
+                medians[policy]["adapter_loads"],
+                medians[policy]["ttft_p50_ms"],
+                medians[policy]["ttft_p99_ms"],
+                medians[policy]["errors"],
+                "; ".join(f"{r['adapter_loads']:g}, {r['ttft_p50_ms']:.0f}" for r in runs[policy]),
             ]
-            for name, run in (("adapter-aware (prefix)", aware), ("random", spread))
+            for name, policy in (("adapter-aware (prefix)", "prefix"), ("random", "random"))
         ],
         title=f"3 nodes, {ROUTER_ADAPTERS} adapters (rank {args.rank}), --max-cpu-loras 2, "
-        f"{args.router_requests} requests, concurrency {args.concurrency}",
+        f"{args.router_requests} requests, concurrency {args.concurrency} "
+        f"(medians of {args.repeats})",
     )
     # Both targets: adapter-aware below random (a ratio under 1).
     targets = [
@@ -195,7 +204,7 @@ def router_part(args: argparse.Namespace) -> None:
         )
         for label, field in (("adapter loads", "adapter_loads"), ("TTFT p50", "ttft_p50_ms"))
     ]
-    results = checked(args, model, runs, targets)
+    results = checked(args, model, runs, targets, medians=medians)
     fig, (loads_ax, ttft_ax) = common.new_figure(2)
     labels = ["adapter-aware", "random"]
     loads_ax.bar(labels, [aware["adapter_loads"], spread["adapter_loads"]])

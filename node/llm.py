@@ -100,9 +100,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
-        self, prompts: Sequence[Prompt], params: BeamSearchParams
+        self,
+        prompts: Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
-        outputs = self.generate(list(prompts), params.to_sampling_params(), use_tqdm=False)
+        outputs = self.generate(
+            list(prompts), params.to_sampling_params(), use_tqdm=False, lora_request=lora_request
+        )
         results = []
         for out in outputs:
             results.append(
