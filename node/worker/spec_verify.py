@@ -40,7 +40,7 @@ def verify(
     processed = processed_logits(logits, rows)
     tokens: list[int] = []
     if spec.temperature < SAMPLING_EPS:
-        target = torch.argmax(processed, dim=-1).tolist()
+        target = torch.max(processed, dim=-1).indices.tolist()  # as the sampler picks
         for want, got in zip(draft, target, strict=False):
             tokens.append(got)
             if got != want:
