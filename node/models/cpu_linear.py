@@ -2,7 +2,8 @@
 layout when the model is loaded (what inductor's CPU backend does with frozen weights).
 
 At decode batches (4-128 rows) this ran the model's matmuls 10-30 % faster than ``F.linear``
-on the development machine; at one row it is on par. Used on x86 CPUs for
+on the development machine; at one or two rows SmolLM2's small layers ran slower (a single
+stream about 20 % fewer tokens/s in float32). Used on x86 CPUs for
 float32 and bfloat16 weights; ``PAGEDLLM_ONEDNN_LINEAR=0`` keeps ``F.linear``.
 """
 
