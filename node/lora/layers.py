@@ -122,8 +122,6 @@ class LoRALinear:
         xa = x @ self._a
         if ctx.one_hot is not None:
             xa.view(tokens, subs, slots, rank).mul_(ctx.one_hot[:, None, :, None])
-        if subs == 1:
-            return out.addmm_(xa, self._b[0])
         start, cols = 0, slots * rank
         for m, b in enumerate(self._b):
             size = self.out_sizes[m]

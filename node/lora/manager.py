@@ -84,7 +84,7 @@ class LoRAManager:
         this step. The scheduler alone decides, so that what it reports loaded is what is: a
         plan that drops an adapter not held, loads one held, or leaves more than
         ``max_cpu_loras`` loaded means the two disagree, and is refused (``ValueError``)."""
-        problem = self.plan_problem(drops, loads)
+        problem = adapter_plan_problem(*self.held(), drops, loads)
         if problem is not None:
             raise ValueError(problem)
         for key in drops:
@@ -92,10 +92,6 @@ class LoRAManager:
             log.info("LoRA adapter %s dropped from memory (--max-cpu-loras)", key[0])
         for request in loads:
             self.loaded[request.key] = self._load(request)
-
-    def plan_problem(self, drops: list[tuple[str, str]], loads: list[LoRARequest]) -> str | None:
-        """What makes these drops and loads disagree with the adapters held, or None."""
-        return adapter_plan_problem(*self.held(), drops, loads)
 
     def held(self) -> tuple[set[tuple[str, str]], int]:
         """The adapters loaded, and how many fit (a worker's plan check takes both)."""
