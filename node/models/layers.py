@@ -117,17 +117,17 @@ class RotaryEmbedding(nn.Module):
 
 
 class PackableLinear(nn.Linear):
-    """A linear layer whose weight can be packed for oneDNN once loaded (``cpu_linear``), or
+    """A linear layer whose weight can be packed for MKL or oneDNN once loaded (``cpu_linear``), or
     kept quantized (``quantized``); LoRA adapters' products are added to its output
     (``lora``, set by a worker serving adapters)."""
 
-    packed: torch.Tensor | None = None
+    packed: cpu_linear.PackedWeight | None = None
     quantized: QuantizedWeight | None = None
     quant_ops: ModuleType | None = None
     lora: LoRALinear | None = None
 
     def pack_weight(self) -> None:
-        """Keep the weight only in oneDNN's layout (the dense copy is freed)."""
+        """Keep the weight only in its packed layout (the dense copy is freed)."""
         self.packed = cpu_linear.pack(self.weight)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 

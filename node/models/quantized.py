@@ -286,12 +286,9 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
         if isinstance(weight, QuantizedWeight):
             tensors.extend(weight.tensors())
         packed = getattr(module, "packed", None)
-        if isinstance(packed, torch.Tensor):
-            tensors.append(packed)
+        if packed is not None:  # an opaque packed layout: no storage to share
+            storages[id(packed)] = packed.nbytes
     for tensor in tensors:
-        if tensor.is_mkldnn:  # oneDNN's opaque layout: no storage to share
-            storages[id(tensor)] = tensor.numel() * tensor.element_size()
-            continue
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

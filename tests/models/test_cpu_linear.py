@@ -1,5 +1,6 @@
-"""oneDNN-packed matmuls: the same numbers as ``F.linear``, on a bounded set of row counts
-(oneDNN keeps a primitive per input shape it sees, so unbounded shapes grow the worker)."""
+"""Packed matmuls (MKL for float32, oneDNN for bfloat16): the same numbers as ``F.linear``;
+oneDNN's on a bounded set of row counts (it keeps a primitive per input shape it sees, so
+unbounded shapes grow the worker)."""
 
 from __future__ import annotations
 
@@ -51,11 +52,45 @@ def test_packed_linear_equals_f_linear(rows: int, dtype: torch.dtype) -> None:
         torch.testing.assert_close(ours, F.linear(x, weight, b), atol=tolerance, rtol=tolerance)
 
 
-def test_leading_dimensions_are_kept():
-    weight = torch.randn(32, 16)
-    x = torch.randn(3, 70, 16)
-    out = cpu_linear.linear(x, cpu_linear.pack(weight), None)
-    torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4, rtol=1e-4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_leading_dimensions_and_strided_inputs_are_kept(dtype: torch.dtype) -> None:
+    weight = torch.randn(32, 16, dtype=dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    packed = cpu_linear.pack(weight)
+    x = torch.randn(3, 70, 16, dtype=dtype)
+    out = cpu_linear.linear(x, packed, None)
+    torch.testing.assert_close(out, F.linear(x, weight), atol=tolerance, rtol=tolerance)
+    strided = torch.randn(40, 48, dtype=dtype)[:, 8:24]  # q, k or v of a fused projection
+    out = cpu_linear.linear(strided, packed, None)
+    torch.testing.assert_close(out, F.linear(strided, weight), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
+def test_float32_weights_are_packed_for_mkl_once_for_every_row_count():
+    weight = torch.randn(200, 72)
+    packed = cpu_linear.pack(weight)
+    # MKL's layout, with a stand-in of the weight's shape that holds one element, not a copy.
+    assert packed.stand_in is not None and packed.stand_in.shape == (200, 72)
+    assert packed.stand_in.untyped_storage().nbytes() == 4
+    assert packed.nbytes == weight.numel() * 4
+    assert cpu_linear.pack(weight.bfloat16()).stand_in is None  # bfloat16: oneDNN
+    for rows in (1, 2, 31, 32, 64, 65, 513):  # one packed copy for every row count
+        x = torch.randn(rows, 72)
+        torch.testing.assert_close(
+            cpu_linear.linear(x, packed, None), F.linear(x, weight), atol=1e-4, rtol=1e-4
+        )
+
+
+def test_a_shape_whose_mkl_products_disagree_keeps_onednn(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_mkl_checked", {})
+    monkeypatch.setattr(cpu_linear, "_mkl_agrees", lambda weight, packed: False)
+    weight = torch.randn(24, 40)
+    packed = cpu_linear.pack(weight)
+    assert packed.stand_in is None and packed.data.is_mkldnn
+    x = torch.randn(5, 40)
+    torch.testing.assert_close(
+        cpu_linear.linear(x, packed, None), F.linear(x, weight), atol=1e-4, rtol=1e-4
+    )
 
 
 # Run in a fresh interpreter: both caches read their capacity when the process builds its
@@ -79,7 +114,7 @@ def in_use():
 
 cpu_linear.bound_caches()
 torch.set_num_threads(1)
-packed = cpu_linear.pack(torch.randn(1536, 256))
+packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(1536, 256), 64)
 x = torch.randn(4 * cpu_linear.CACHED_PRIMITIVES, 256)
 
 def run(first, last):
