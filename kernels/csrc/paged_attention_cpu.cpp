@@ -29,13 +29,25 @@ namespace {
 
 using namespace pagedllm_vec;
 
-// The sums of G <= 4 vectors, into sums[g * stride].
+// The sums of G <= 4 vectors, into sums[g * stride]: a tree of shuffles (an AVX-512 vector's
+// halves added, then horizontal adds of all G at once), not a chain of kWidth scalar adds per
+// vector, which cost more than the dot products themselves.
 template <int G>
 inline void store_sums(const vfloat* acc, float* sums, int64_t stride) {
-#if defined(__AVX__) && !defined(__AVX512F__)
+#if defined(__AVX__)
+  __m256 half[4];
+  for (int g = 0; g < G; ++g) {
+#if defined(__AVX512F__)
+    const __m512 a = (__m512)acc[g];
+    const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    half[g] = _mm256_add_ps(_mm512_castps512_ps256(a), high);
+#else
+    half[g] = (__m256)acc[g];
+#endif
+  }
   const __m256 zero = _mm256_setzero_ps();
-  const __m256 ab = _mm256_hadd_ps(acc[0], G > 1 ? acc[1] : zero);
-  const __m256 cd = _mm256_hadd_ps(G > 2 ? acc[2] : zero, G > 3 ? acc[3] : zero);
+  const __m256 ab = _mm256_hadd_ps(half[0], G > 1 ? half[1] : zero);
+  const __m256 cd = _mm256_hadd_ps(G > 2 ? half[2] : zero, G > 3 ? half[3] : zero);
   const __m256 abcd = _mm256_hadd_ps(ab, cd);
   float four[4];
   _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
