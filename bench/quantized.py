@@ -1,6 +1,7 @@
 """Quantized weights: SmolLM2's Q4_1 GGUF file served by ``pagedllm serve`` with its weights
-kept quantized, beside the same file de-quantized to float32 (``--quantization none``) and
-beside llama.cpp's own ``llama-server``.
+kept quantized (activations in ``--dtype``: bfloat16 where the CPU has AVX-512 BF16 or AMX),
+beside the same file de-quantized to float32 (``--quantization none``) and beside llama.cpp's
+own ``llama-server``.
 
 Three parts, in one run:
 1. Memory: the model's resident weight bytes (its distinct tensor storages) kept quantized and
@@ -13,9 +14,9 @@ Three parts, in one run:
    alternating order (``bench/serving.py``'s ``measure``), medians reported with every run.
 
 llama.cpp is built once from the source the ``llama-cpp-python`` sdist vendors
-(``--setup-llama``, which ``make bench`` runs: cmake, ``-DGGML_NATIVE=ON``, minutes on 2 cores)
-and runs with the same threads, ``--parallel 16`` (its continuous batching) and a context of
-16 full requests.
+(``--setup-llama``, which ``make bench`` runs: cmake, ``-DGGML_NATIVE=ON`` without AMX,
+minutes on 2 cores) and runs with the same threads, ``--parallel 16`` (its continuous
+batching) and a context of 16 full requests.
 
     python bench/quantized.py [--concurrencies 1,4,16] [--duration 20] [--repeats 3]
 """
@@ -64,10 +65,15 @@ def setup_llama(directory: Path) -> Path:
     subprocess.run(["tar", "xzf", archive.name], cwd=directory, check=True)
     (source,) = directory.glob("llama_cpp_python-*/vendor/llama.cpp")
     build = directory / "build"
+    # Without AMX: on a CPU that has it (Sapphire/Granite Rapids), ggml's AMX matmul in this
+    # release dies of SIGILL at its first product (tilezero with no tile configuration loaded),
+    # so llama-server cannot start; its AVX-512 VNNI kernels and weight repacking stay.
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     subprocess.run(
         [
             "cmake", "-S", str(source), "-B", str(build), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release",
+            f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}",
         ],
         check=True,
     )  # fmt: skip
@@ -88,7 +94,7 @@ def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[st
             serving.pagedllm_serve_command(
                 model,
                 args.port,
-                "float32",
+                args.dtype,
                 args.kv_cache_memory,
                 max_len,
                 *common_flags,
@@ -149,8 +155,18 @@ def group_rss_mb(pid: int) -> dict[str, float]:
     return {"largest_process_mb": max(sizes, default=0.0), "all_processes_mb": sum(sizes)}
 
 
-def memory_and_quality(model: str) -> dict[str, Any]:
-    """Weight bytes and the quality figures, with both models loaded in this process."""
+def activation_dtype() -> str:
+    """The quantized path's activations: bfloat16 where the CPU multiplies it natively (AVX-512
+    BF16 or AMX: half the KV cache's bytes, and the prompts' GEMM without a conversion),
+    float32 elsewhere."""
+    from pagedllm.kernels.cpu_extension import cpu_flags
+
+    return "bfloat16" if cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
+def memory_and_quality(model: str, dtype: str) -> dict[str, Any]:
+    """Weight bytes and the quality figures, with both models loaded in this process (the
+    quantized one with ``dtype`` activations, as served)."""
     import gguf
 
     from pagedllm.models.loader import load_model
@@ -164,8 +180,8 @@ def memory_and_quality(model: str) -> dict[str, Any]:
         by_type[tensor.tensor_type.name] = by_type.get(tensor.tensor_type.name, 0) + int(
             tensor.n_bytes
         )
-    kept, _ = load_model(model)
-    dense, _ = load_model(model, quantization="none")
+    kept, _ = load_model(model, dtype=dtype)
+    dense, _ = load_model(model, dtype="float32", quantization="none")
     linears = sum(
         m.quantized.nbytes
         for name, m in kept.named_modules()
@@ -224,6 +240,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--dtype",
+        choices=common.DTYPE_CHOICES,
+        help="activations of the quantized path (default: bfloat16 where the CPU has AVX-512 "
+        "BF16 or AMX, else float32); the de-quantized path is float32",
+    )
     parser.add_argument("--port", type=int, default=8831)
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--repeats", type=int, default=3)
@@ -247,9 +269,10 @@ def main() -> None:
         parser.error(f"no llama-server at {args.llama_server}: run with --setup-llama once")
     common.warn_if_busy()
     model = str(common.resolve_model(args.model))
+    args.dtype = args.dtype or activation_dtype()
 
-    print("memory and quality (in-process) ...", flush=True)
-    offline = memory_and_quality(model)
+    print(f"memory and quality (in-process; quantized path in {args.dtype}) ...", flush=True)
+    offline = memory_and_quality(model, args.dtype)
     workdir = common.RESULTS / "tmp" / args.name
     workdir.mkdir(parents=True, exist_ok=True)
     servers = make_servers(args, model, workdir)
@@ -376,6 +399,7 @@ def report(
             "concurrencies": args.concurrencies,
             "repeats": args.repeats,
             "threads": args.threads,
+            "quantized_dtype": args.dtype,
         },
         "servers": {
             n: {"command": servers[n].command, "ready_s": ready_s.get(n), "rss": rss.get(n)}

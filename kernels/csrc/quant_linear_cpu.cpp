@@ -9,13 +9,14 @@
 //   bits 4: uint8 [N, K / 2], a group of 32 values in 16 bytes, byte i holding value i in its
 //           low nibble and value i + 16 in its high one (GGUF's Q4_0 and Q4_1 order).
 // scale and min are float16 [N, K / G]; G is 16 or 32 (32 for bits 4).
-// The products are summed in float32; x is float32 (the op converts other dtypes and converts
-// the output back).
+// The products are summed in float32; x is float32 or, on the VNNI path, bfloat16 as well (the
+// op converts other dtypes, and the output back to x's).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -220,18 +221,27 @@ struct QuantizedRows {
 // Bytes of the row arrays for M rows of K values: both layouts, with room for alignment.
 int64_t rows_bytes(int64_t M, int64_t K) { return 2 * M * K + 4 * M * K / 2 + 6 * 64; }
 
+// 16 values from p as floats: float32 as they are, bfloat16 widened (its bits are a float's
+// high half), so that bfloat16 activations are read without a converted copy.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+template <typename In>
 QuantizedRows quantize_rows(const at::Tensor& x, Scratch& scratch) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32;
   QuantizedRows r{scratch.take<int8_t>(M * K), scratch.take<float>(M * groups),
                   scratch.take<float>(M * K / 16)};
-  const float* xp = x.data_ptr<float>();
+  const In* xp = x.data_ptr<In>();
   int8_t* qp = r.q;
   float* sp = r.scale;
   float* hp = r.quarter;
   at::parallel_for(0, M * groups, std::max<int64_t>(1, 2048 / 32), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
-      const float* src = xp + i * 32;  // rows are contiguous: group i of the whole matrix
-      const __m512 a = _mm512_loadu_ps(src), c = _mm512_loadu_ps(src + 16);
+      const In* src = xp + i * 32;  // rows are contiguous: group i of the whole matrix
+      const __m512 a = load16(src), c = load16(src + 16);
       const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(a)),
                                   _mm512_reduce_max_ps(_mm512_abs_ps(c)));
       const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -265,9 +275,9 @@ inline void group_scale(const Weight& w, int64_t at, float& scale, float& min) {
   min = (HAS_MIN ? half_to_float(w.min[at]) : 0.f) - (BITS == 8 ? 128.f * scale : 0.f);
 }
 
-template <int BITS, int MT, int NT, bool HALVES, bool HAS_MIN>
+template <int BITS, int MT, int NT, bool HALVES, bool HAS_MIN, typename Out>
 void tile_vnni(const QuantizedRows& x, int64_t m0, const Weight& w, int64_t n0, int64_t K,
-               float* out, int64_t out_stride) {
+               Out* out, int64_t out_stride) {
   const int8_t* xq = x.q + m0 * K;
   const float* xs = x.scale + m0 * (K / 32);
   const float* xh = x.quarter + m0 * (K / 16);
@@ -316,12 +326,12 @@ void tile_vnni(const QuantizedRows& x, int64_t m0, const Weight& w, int64_t n0, 
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) out[i * out_stride + n0 + j] = hsum8(acc[i][j]);
+    for (int j = 0; j < NT; ++j) out[i * out_stride + n0 + j] = Out(hsum8(acc[i][j]));
 }
 
-template <int BITS, int NT, bool HALVES, bool HAS_MIN>
+template <int BITS, int NT, bool HALVES, bool HAS_MIN, typename Out>
 void tile_vnni_rows(int rows, const QuantizedRows& x, int64_t m0, const Weight& w, int64_t n0,
-                    int64_t K, float* out, int64_t out_stride) {
+                    int64_t K, Out* out, int64_t out_stride) {
   switch (rows) {
     case 1: return tile_vnni<BITS, 1, NT, HALVES, HAS_MIN>(x, m0, w, n0, K, out, out_stride);
     case 2: return tile_vnni<BITS, 2, NT, HALVES, HAS_MIN>(x, m0, w, n0, K, out, out_stride);
@@ -364,9 +374,9 @@ Rows64 to_rows64(const QuantizedRows& r, int64_t M, int64_t K, Scratch& scratch)
   return out;
 }
 
-template <int BITS, int MT, int NT, bool HAS_MIN>
+template <int BITS, int MT, int NT, bool HAS_MIN, typename Out>
 void tile_vnni64(const Rows64& x, int64_t m0, const Weight& w, int64_t n0, int64_t K,
-                 float* out, int64_t out_stride) {
+                 Out* out, int64_t out_stride) {
   const int64_t blocks = K / 64, groups = K / 32;
   const int8_t* xq = x.q + m0 * K;
   const float* xd = x.lane_d + m0 * blocks * 16;
@@ -424,12 +434,12 @@ void tile_vnni64(const Rows64& x, int64_t m0, const Weight& w, int64_t n0, int64
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) out[i * out_stride + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < NT; ++j) out[i * out_stride + n0 + j] = Out(_mm512_reduce_add_ps(acc[i][j]));
 }
 
-template <int BITS, int NT, bool HAS_MIN>
+template <int BITS, int NT, bool HAS_MIN, typename Out>
 void tile_vnni64_rows(int rows, const Rows64& x, int64_t m0, const Weight& w, int64_t n0,
-                      int64_t K, float* out, int64_t out_stride) {
+                      int64_t K, Out* out, int64_t out_stride) {
   switch (rows) {
     case 1: return tile_vnni64<BITS, 1, NT, HAS_MIN>(x, m0, w, n0, K, out, out_stride);
     case 2: return tile_vnni64<BITS, 2, NT, HAS_MIN>(x, m0, w, n0, K, out, out_stride);
@@ -438,12 +448,13 @@ void tile_vnni64_rows(int rows, const Rows64& x, int64_t m0, const Weight& w, in
   }
 }
 
-template <int BITS, bool HAS_MIN>
-void matmul_vnni(const at::Tensor& xf, const Weight& w, at::Tensor& out) {
-  const int64_t M = xf.size(0), K = xf.size(1), N = out.size(1);
+// x float32 or bfloat16, out of the same dtype.
+template <int BITS, bool HAS_MIN, typename T>
+void matmul_vnni(const at::Tensor& xt, const Weight& w, at::Tensor& out) {
+  const int64_t M = xt.size(0), K = xt.size(1), N = out.size(1);
   Scratch scratch(rows_bytes(M, K));
-  const QuantizedRows x = quantize_rows(xf, scratch);
-  float* op = out.data_ptr<float>();
+  const QuantizedRows x = quantize_rows<T>(xt, scratch);
+  T* op = out.data_ptr<T>();
   constexpr int kRows = 4, kCols = 4;
   const int64_t col_tiles = (N + kCols - 1) / kCols;
   const int64_t grain = std::max<int64_t>(1, 65536 / (K * M * kCols));
@@ -451,16 +462,16 @@ void matmul_vnni(const at::Tensor& xf, const Weight& w, at::Tensor& out) {
   const Rows64 x64 = wide ? to_rows64(x, M, K, scratch) : Rows64{};
   // One tile: rows m0.. of features n0.. (kCols of them, or one at the matrix's edge).
   auto tile = [&](int rows, int64_t m0, int64_t n0, bool whole) {
-    float* orow = op + m0 * N;
+    T* orow = op + m0 * N;
     if (wide) {
-      (whole ? tile_vnni64_rows<BITS, kCols, HAS_MIN> : tile_vnni64_rows<BITS, 1, HAS_MIN>)(
+      (whole ? tile_vnni64_rows<BITS, kCols, HAS_MIN, T> : tile_vnni64_rows<BITS, 1, HAS_MIN, T>)(
           rows, x64, m0, w, n0, K, orow, N);
     } else if (halves) {
-      (whole ? tile_vnni_rows<BITS, kCols, true, HAS_MIN> : tile_vnni_rows<BITS, 1, true, HAS_MIN>)(
+      (whole ? tile_vnni_rows<BITS, kCols, true, HAS_MIN, T> : tile_vnni_rows<BITS, 1, true, HAS_MIN, T>)(
           rows, x, m0, w, n0, K, orow, N);
     } else {
-      (whole ? tile_vnni_rows<BITS, kCols, false, HAS_MIN>
-             : tile_vnni_rows<BITS, 1, false, HAS_MIN>)(rows, x, m0, w, n0, K, orow, N);
+      (whole ? tile_vnni_rows<BITS, kCols, false, HAS_MIN, T>
+             : tile_vnni_rows<BITS, 1, false, HAS_MIN, T>)(rows, x, m0, w, n0, K, orow, N);
     }
   };
   at::parallel_for(0, col_tiles, grain, [&](int64_t begin, int64_t end) {
@@ -482,6 +493,43 @@ void matmul_vnni(const at::Tensor& xf, const Weight& w, at::Tensor& out) {
 // The weight de-quantized to T [N, K]: for many rows a matmul is bound by compute, and a
 // float GEMM (oneDNN's, through at::linear) over a de-quantized copy beats de-quantizing each
 // vector once per tile of rows.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Row n in bfloat16, 16 values a step, rounded two vectors at a time by one instruction
+// (vcvtne2ps2bf16, nearest even as c10::BFloat16): the generic vector code's rounding in
+// integer lanes made this pass several times slower than the GEMM it feeds.
+template <int BITS, bool HAS_MIN>
+void dequantize_row_bf16(const Weight& w, int64_t n, int64_t K, c10::BFloat16* row) {
+  const uint8_t* q = w.q + n * w.q_row;
+  const at::Half* scale = w.scale + n * w.groups;
+  const at::Half* min = HAS_MIN ? w.min + n * w.groups : nullptr;
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512 lo, hi;  // values k .. k + 15 and k + 16 .. k + 31
+    if constexpr (BITS == 4) {  // one group of 32: 16 bytes, value i + 16 in byte i's high nibble
+      const int64_t g = k / 32;
+      const __m512 s = _mm512_set1_ps(half_to_float(scale[g]));
+      const __m512 m = HAS_MIN ? _mm512_set1_ps(half_to_float(min[g])) : _mm512_setzero_ps();
+      const __m512i wide =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2)));
+      lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(wide, _mm512_set1_epi32(15))), s, m);
+      hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4)), s, m);
+    } else {  // groups of 16 or 32: each half takes its own group's scale
+      const int64_t g0 = k / w.group, g1 = (k + 16) / w.group;
+      const __m512 s0 = _mm512_set1_ps(half_to_float(scale[g0]));
+      const __m512 s1 = _mm512_set1_ps(half_to_float(scale[g1]));
+      const __m512 m0 = HAS_MIN ? _mm512_set1_ps(half_to_float(min[g0])) : _mm512_setzero_ps();
+      const __m512 m1 = HAS_MIN ? _mm512_set1_ps(half_to_float(min[g1])) : _mm512_setzero_ps();
+      auto bytes = [&](int64_t at) {
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + at))));
+      };
+      lo = _mm512_fmadd_ps(bytes(k), s0, m0);
+      hi = _mm512_fmadd_ps(bytes(k + 16), s1, m1);
+    }
+    _mm512_storeu_si512(row + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+#endif
+
 template <int BITS, bool HAS_MIN, typename T>
 at::Tensor dequantized(const Weight& w, int64_t N, int64_t K) {
   at::Tensor out = at::empty({N, K}, c10::CppTypeToScalarType<T>::value);
@@ -490,6 +538,14 @@ at::Tensor dequantized(const Weight& w, int64_t N, int64_t K) {
   at::parallel_for(0, N, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       T* row = op + n * K;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (K % 32 == 0) {
+          dequantize_row_bf16<BITS, HAS_MIN>(w, n, K, row);
+          continue;
+        }
+      }
+#endif
       for (int64_t g = 0; g < w.groups; ++g) {
         const vfloat s = splat(half_to_float(w.scale[n * w.groups + g]));
         const vfloat m = HAS_MIN ? splat(half_to_float(w.min[n * w.groups + g])) : vfloat{};
@@ -512,12 +568,13 @@ at::Tensor dequantized(const Weight& w, int64_t N, int64_t K) {
 
 // From this many rows on (prompts), a matmul runs as a GEMM over the de-quantized weight. With
 // AVX-512 BF16 that GEMM is in bfloat16 (oneDNN's products at twice float32's rate: 2,048 rows
-// of 576 -> 1,536 in 8.7 ms against 19.4; level with the integer products at 32 rows), the rows rounded to bfloat16 as the VNNI path
-// rounds them to int8 groups; without it in float32, and the integer products keep up with it
-// longer.
+// of 576 -> 1,536 in 8.7 ms against 19.4), the rows rounded to bfloat16 as the VNNI path rounds
+// them to int8 groups; SmolLM2's 120 layer matmuls on an AMX Xeon, 2 threads: integer products
+// 16.1 ms at 16 rows, 23.6 at 24; the GEMM 19.6 and 21.5 (of which de-quantizing ~7), level at
+// 20. Without it in float32, and the integer products keep up with it longer.
 #if defined(__AVX512BF16__)
 using GemmType = c10::BFloat16;
-constexpr int64_t kGemmRows = 48;
+constexpr int64_t kGemmRows = 20;
 #elif defined(PAGEDLLM_QUANT_VNNI)
 using GemmType = float;
 constexpr int64_t kGemmRows = 128;
@@ -529,7 +586,7 @@ constexpr int64_t kGemmRows = 32;
 template <int BITS, bool HAS_MIN>
 at::Tensor gemm(const at::Tensor& x, const Weight& w, int64_t N) {
   const at::Tensor weight = dequantized<BITS, HAS_MIN, GemmType>(w, N, x.size(1));
-  return at::linear(x.to(weight.scalar_type()), weight).to(at::kFloat);
+  return at::linear(x.to(weight.scalar_type()), weight);  // converted by the caller
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -567,15 +624,26 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     out = bits == 4 ? (has_min ? gemm<4, true>(x, w, N) : gemm<4, false>(x, w, N))
                     : (has_min ? gemm<8, true>(x, w, N) : gemm<8, false>(x, w, N));
   } else {
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    out = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
 #ifdef PAGEDLLM_QUANT_VNNI
-    if (bits == 4) {
-      has_min ? matmul_vnni<4, true>(xf, w, out) : matmul_vnni<4, false>(xf, w, out);
+    // bfloat16 rows are read and written as they are (two conversions a call fewer).
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const at::Tensor xt = (bf16 ? x : x.to(at::kFloat)).contiguous();
+    out = at::empty({x.size(0), N}, xt.options());
+    if (bf16) {
+      using B = c10::BFloat16;
+      if (bits == 4) {
+        has_min ? matmul_vnni<4, true, B>(xt, w, out) : matmul_vnni<4, false, B>(xt, w, out);
+      } else {
+        has_min ? matmul_vnni<8, true, B>(xt, w, out) : matmul_vnni<8, false, B>(xt, w, out);
+      }
+    } else if (bits == 4) {
+      has_min ? matmul_vnni<4, true, float>(xt, w, out) : matmul_vnni<4, false, float>(xt, w, out);
     } else {
-      has_min ? matmul_vnni<8, true>(xf, w, out) : matmul_vnni<8, false>(xf, w, out);
+      has_min ? matmul_vnni<8, true, float>(xt, w, out) : matmul_vnni<8, false, float>(xt, w, out);
     }
 #else
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    out = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
     if (bits == 4) {
       has_min ? matmul<4, true>(xf, w, out) : matmul<4, false>(xf, w, out);
     } else {
@@ -583,7 +651,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     }
 #endif
   }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
 }
 
 }  // namespace

@@ -74,6 +74,20 @@ def test_bfloat16_rows_and_leading_dimensions():
     assert ((ours.float() - expected).abs().max() / expected.abs().max()) < 2e-2
 
 
+@pytest.mark.parametrize("bits,group,with_mins", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 5, 16, 200])
+def test_bfloat16_rows_give_the_float32_rows_products_rounded(bits, group, with_mins, rows):
+    """bfloat16 rows are read as they are (widening is exact) and the output rounded once:
+    the same numbers as the float32 call on the same values, rounded to bfloat16."""
+    torch.manual_seed(rows)
+    qweight, scales, mins = random_weight(70, 576, bits, group, with_mins)
+    x = torch.randn(rows, 576).bfloat16()
+    ours = cpu_ops.quant_linear(x, qweight, scales, mins, bits, group)
+    assert ours.dtype == torch.bfloat16
+    expected = cpu_ops.quant_linear(x.float(), qweight, scales, mins, bits, group).bfloat16()
+    assert torch.equal(ours, expected)
+
+
 def test_no_rows_give_no_rows():
     qweight, scales, mins = random_weight(8, 64, 8, 32, False)
     assert cpu_ops.quant_linear(torch.empty(0, 64), qweight, scales, mins, 8, 32).shape == (0, 8)
