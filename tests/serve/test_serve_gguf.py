@@ -193,11 +193,12 @@ def test_served_with_its_weights_kept_quantized(tmp_path: Path) -> None:
         answer = quantized.client().chat.completions.create(
             model="smollm2",
             messages=[{"role": "user", "content": "Name the planets of the solar system."}],
-            max_completion_tokens=40,
+            max_completion_tokens=96,
             temperature=0,
         )
-        # The quantized path's greedy text is its own (rows rounded to int8 in the kernel), so
-        # the check is what it says, not its exact words.
+        # The quantized path's greedy text is its own (rows rounded to int8 in the kernel, the
+        # prompt's rows to bfloat16 in the GEMM path), so the check is what it says, not its
+        # exact words; it may describe each planet at length, hence the room.
         text = answer.choices[0].message.content
         assert len(PLANETS & set(re.findall(r"[A-Za-z]+", text))) >= 3, text
     finally:
