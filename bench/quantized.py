@@ -156,12 +156,12 @@ def group_rss_mb(pid: int) -> dict[str, float]:
 
 
 def activation_dtype() -> str:
-    """The quantized path's activations: bfloat16 where the CPU multiplies it natively (AVX-512
-    BF16 or AMX: half the KV cache's bytes, and the prompts' GEMM without a conversion),
-    float32 elsewhere."""
+    """The quantized path's activations: bfloat16 where the kernels are built for AVX-512 BF16
+    (every CPU with AMX has it: half the KV cache's bytes, and the prompts' GEMM without a
+    conversion), float32 elsewhere."""
     from pagedllm.kernels.cpu_extension import cpu_flags
 
-    return "bfloat16" if cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
+    return "bfloat16" if "avx512_bf16" in cpu_flags() else "float32"
 
 
 def memory_and_quality(model: str, dtype: str) -> dict[str, Any]:

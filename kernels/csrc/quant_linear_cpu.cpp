@@ -221,14 +221,7 @@ struct QuantizedRows {
 // Bytes of the row arrays for M rows of K values: both layouts, with room for alignment.
 int64_t rows_bytes(int64_t M, int64_t K) { return 2 * M * K + 4 * M * K / 2 + 6 * 64; }
 
-// 16 values from p as floats: float32 as they are, bfloat16 widened (its bits are a float's
-// high half), so that bfloat16 activations are read without a converted copy.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
+// In: float or c10::BFloat16 (read through vec.h's load, widened without a converted copy).
 template <typename In>
 QuantizedRows quantize_rows(const at::Tensor& x, Scratch& scratch) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32;
@@ -241,7 +234,7 @@ QuantizedRows quantize_rows(const at::Tensor& x, Scratch& scratch) {
   at::parallel_for(0, M * groups, std::max<int64_t>(1, 2048 / 32), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const In* src = xp + i * 32;  // rows are contiguous: group i of the whole matrix
-      const __m512 a = load16(src), c = load16(src + 16);
+      const __m512 a = (__m512)load(src), c = (__m512)load(src + 16);
       const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(a)),
                                   _mm512_reduce_max_ps(_mm512_abs_ps(c)));
       const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -629,18 +622,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     const at::Tensor xt = (bf16 ? x : x.to(at::kFloat)).contiguous();
     out = at::empty({x.size(0), N}, xt.options());
-    if (bf16) {
-      using B = c10::BFloat16;
+    auto run = [&](auto dtype) {  // dtype: a value of the rows' element type
+      using T = decltype(dtype);
       if (bits == 4) {
-        has_min ? matmul_vnni<4, true, B>(xt, w, out) : matmul_vnni<4, false, B>(xt, w, out);
+        has_min ? matmul_vnni<4, true, T>(xt, w, out) : matmul_vnni<4, false, T>(xt, w, out);
       } else {
-        has_min ? matmul_vnni<8, true, B>(xt, w, out) : matmul_vnni<8, false, B>(xt, w, out);
+        has_min ? matmul_vnni<8, true, T>(xt, w, out) : matmul_vnni<8, false, T>(xt, w, out);
       }
-    } else if (bits == 4) {
-      has_min ? matmul_vnni<4, true, float>(xt, w, out) : matmul_vnni<4, false, float>(xt, w, out);
-    } else {
-      has_min ? matmul_vnni<8, true, float>(xt, w, out) : matmul_vnni<8, false, float>(xt, w, out);
-    }
+    };
+    bf16 ? run(c10::BFloat16()) : run(0.f);
 #else
     const at::Tensor xf = x.to(at::kFloat).contiguous();
     out = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
