@@ -391,7 +391,7 @@ def test_the_router_drains_on_sigterm(tmp_path: Path, model_dir: str, nodes: lis
         tmp_path, model_dir, [n.url for n in nodes], "--shutdown-timeout", "300", api_key=KEY
     )
     wait_for(lambda: ready_backends(router) == 2, router, "both nodes' feeds")
-    body = {"model": DEMO_MODEL, "prompt": "Drain me", "max_tokens": 30, "ignore_eos": True}
+    body = {"model": DEMO_MODEL, "prompt": "Drain me", "max_tokens": 300, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream(
         "POST",

@@ -206,22 +206,35 @@ def test_evictions_appear_as_removed_and_the_feed_predicts_every_hit(small: Serv
         reader.close()
 
 
-def test_the_feed_ends_when_the_node_drains(small: Server) -> None:
-    reader = FeedReader(small.url)
+@pytest.fixture
+def draining(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A node of its own, with room for a request that outlasts the test: the drain below must
+    still be waiting for it when the test asks the node for its feed."""
+    running = start_server(tmp_path_factory.mktemp("kv-events-drain"))
+    yield running
+    running.stop()
+
+
+def test_the_feed_ends_when_the_node_drains(draining: Server) -> None:
+    reader = FeedReader(draining.url)
     reader.wait_for(lambda r: r.snapshot is not None, timeout=30)
-    stream = small.client().completions.create(
-        model=DEMO_MODEL, prompt="A long story begins", max_tokens=150, stream=True
+    stream = draining.client().completions.create(
+        model=DEMO_MODEL,
+        prompt="A long story begins",
+        max_tokens=2000,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     next(iter(stream))  # generating: the drain waits for it
-    small.process.send_signal(signal.SIGTERM)
+    draining.process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 30
     while not reader.ended:
         assert time.monotonic() < deadline, "the feed kept going after the drain began"
         time.sleep(0.05)
     reader.check()
-    answer = httpx.get(f"{small.url}/v1/kv_events", timeout=10)
+    answer = httpx.get(f"{draining.url}/v1/kv_events", timeout=10)
     assert answer.status_code == 503
     assert answer.json()["error"]["code"] == "draining"
     assert answer.headers["Retry-After"] == "1"
     stream.close()  # the request in flight is aborted, which ends the drain
-    assert small.process.wait(60) == 0
+    assert draining.process.wait(60) == 0

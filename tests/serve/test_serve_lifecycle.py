@@ -191,6 +191,10 @@ def test_malformed_messages_are_dropped_and_the_node_keeps_serving(server: Serve
     assert server.process.poll() is None and server.health() == 200
 
 
+# Long enough that the streams are still running when /health turns 503 and "too late" is refused.
+DRAINED_TOKENS = 400
+
+
 def test_sigterm_finishes_streams_in_flight_then_exits_zero(server: Server) -> None:
     client = server.client()
     started = threading.Barrier(5)
@@ -200,7 +204,7 @@ def test_sigterm_finishes_streams_in_flight_then_exits_zero(server: Server) -> N
         chunks = client.completions.create(
             model=DEMO_MODEL,
             prompt=f"Draining {i}",
-            max_tokens=150,
+            max_tokens=DRAINED_TOKENS,
             stream=True,
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
@@ -227,7 +231,7 @@ def test_sigterm_finishes_streams_in_flight_then_exits_zero(server: Server) -> N
     for thread in threads:
         thread.join(SHUTDOWN_TIMEOUT_S)
     assert sorted(finished) == [0, 1, 2, 3]
-    assert all(tokens == 150 for _, tokens in finished.values())
+    assert all(tokens == DRAINED_TOKENS for _, tokens in finished.values())
     assert server.process.wait(SHUTDOWN_TIMEOUT_S) == 0
     assert time.monotonic() - signalled < SHUTDOWN_TIMEOUT_S
     assert "drained" in server.log()
