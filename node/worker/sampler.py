@@ -92,29 +92,109 @@ def _has_token_rules(row: SampleRow) -> bool:
     return bool(s.logit_bias or s.allowed_token_ids is not None or s.bad_words_ids)
 
 
-def _filter(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p applied to one row; returns probabilities."""
-    logits = logits / spec.temperature
-    if spec.top_k > 0 and spec.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, spec.top_k).values[-1]
+def filtered_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+    """Probabilities of each row of ``logits`` ([len(specs), vocab], float32) after its own
+    temperature, top-k, top-p and min-p, the batch at once."""
+    vocab = logits.shape[-1]
+    rows = range(len(specs))
+    if any(s.temperature != 1.0 for s in specs):
+        temperatures = torch.tensor([s.temperature for s in specs], dtype=logits.dtype)
+        logits = logits / temperatures.to(logits.device)[:, None]
+    top_ks = [s.top_k if 0 < s.top_k < vocab else 0 for s in specs]
+    if any(top_ks):
+        # Each row keeps the logits at least its k-th largest (ties included).
+        values = torch.topk(logits, max(top_ks), dim=-1).values
+        kth = torch.full((len(specs), 1), float("-inf"), device=logits.device)
+        for i in rows:
+            if top_ks[i]:
+                kth[i, 0] = values[i, top_ks[i] - 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if spec.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= spec.top_p
-        drop[0] = False
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    if spec.min_p > 0.0:
-        probs = probs.masked_fill(probs < spec.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+    cut = False
+    for i in rows:
+        if specs[i].top_p < 1.0:
+            _top_p(probs[i], specs[i].top_p)
+            cut = True
+    if any(s.min_p > 0.0 for s in specs):
+        min_ps = torch.tensor([s.min_p for s in specs], dtype=probs.dtype, device=probs.device)
+        floor = min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+        cut = True
+    return probs / probs.sum(dim=-1, keepdim=True) if cut else probs
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int(torch.argmax(probs / noise))
+def _top_p(probs: torch.Tensor, top_p: float) -> None:
+    """Zero, in place, what falls outside the smallest set of most likely tokens whose mass
+    reaches ``top_p`` (the most likely token always stays)."""
+    # Tokens below (1 - top_p) / vocab hold less than 1 - top_p together, so those above it
+    # reach top_p before any of them: only those are sorted (halved against rounding). A
+    # sort of the whole row is some 20 times slower than the compare at SmolLM2's 49,152.
+    floor = (1.0 - top_p) / (2 * probs.shape[-1])
+    candidates = torch.nonzero(probs >= floor)[:, 0]
+    top, order = torch.sort(probs[candidates], descending=True)
+    # A token goes when the more likely ones before it already reach top_p; the first stays
+    # whatever top_p (one too small for float32 compares as 0).
+    keep = (torch.cumsum(top, dim=-1) - top) < top_p
+    keep[0] = True
+    kept = candidates[order[keep]]
+    values = probs[kept]
+    probs.zero_()
+    probs[kept] = values
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
+    """One token per row of ``probs`` ([n, vocab]) by inverse transform sampling: the first
+    token whose cumulative probability exceeds ``uniforms[i]`` (in [0, 1)) times the row's
+    mass. One random number a row, where a race of exponentials needs one per token."""
+    cdf = torch.cumsum(probs, dim=-1)
+    targets = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, targets, right=True)[:, 0].tolist()
+    for i, token in enumerate(tokens):
+        # The target rounded up to the row's whole mass: its last token that can occur.
+        if token >= probs.shape[-1] or float(probs[i, token]) <= 0.0:
+            tokens[i] = int(torch.nonzero(probs[i]).max())
+    return tokens
+
+
+def uniform(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One number in [0, 1) from ``generator`` (a seeded row's) or the global generator."""
+    return torch.rand(1, generator=generator, device=device)
+
+
+def _sample_rows(processed: torch.Tensor, rows: list[SampleRow]) -> dict[int, list[int]]:
+    """The tokens of the rows that sample at random (not greedy, not beams), by row index:
+    their probabilities filtered as a batch, then one uniform number per sample, the
+    unseeded ones drawn together."""
+    picked = [
+        i
+        for i, row in enumerate(rows)
+        if row.spec.beam_width == 0 and row.spec.temperature >= SAMPLING_EPS
+    ]
+    if not picked:
+        return {}
+    every_row = len(picked) == len(rows)
+    probs = filtered_probs(
+        processed if every_row else processed[picked], [rows[i].spec for i in picked]
+    )
+    owners: list[int] = []
+    seeded: dict[int, torch.Tensor] = {}  # position in owners -> its uniform
+    for j, i in enumerate(picked):
+        row = rows[i]
+        for k in range(row.num_samples):
+            seed = derive_seed(row.spec.seed, k)
+            if seed is not None:
+                gen = _generator(seed, len(row.output_ids), processed.device)
+                seeded[len(owners)] = uniform(gen, processed.device)
+            owners.append(j)
+    uniforms = torch.rand(len(owners), device=processed.device)
+    for at, u in seeded.items():
+        uniforms[at] = u[0]
+    fanned = len(owners) > len(picked)
+    tokens = draw(probs[torch.tensor(owners, device=probs.device)] if fanned else probs, uniforms)
+    drawn: dict[int, list[int]] = {}
+    for j, token in zip(owners, tokens, strict=True):
+        drawn.setdefault(picked[j], []).append(token)
+    return drawn
 
 
 def processed_logits(
@@ -157,7 +237,8 @@ def sample(
     # index of a tie).
     logprobs = torch.log_softmax(logits, dim=-1)
     processed = processed_logits(logits, rows, mask)
-    greedy_tokens = torch.max(processed, dim=-1).indices.tolist()
+    drawn = _sample_rows(processed, rows)
+    greedy_tokens = torch.max(processed, dim=-1).indices.tolist() if len(drawn) < len(rows) else []
     results: list[Sampled] = []
     for i, row in enumerate(rows):
         spec = row.spec
@@ -167,19 +248,7 @@ def sample(
             tokens = top.indices.tolist()
             results.append(Sampled(tokens, top.values.tolist(), None))
             continue
-        if spec.temperature < SAMPLING_EPS:
-            tokens = [greedy_tokens[i]] * row.num_samples
-        else:
-            probs = _filter(processed[i], spec)
-            tokens = []
-            for j in range(row.num_samples):
-                seed = derive_seed(spec.seed, j)
-                gen = (
-                    None
-                    if seed is None
-                    else _generator(seed, len(row.output_ids), processed.device)
-                )
-                tokens.append(_draw(probs, gen))
+        tokens = drawn[i] if i in drawn else [greedy_tokens[i]] * row.num_samples
         token_logprobs = logprobs[i, tokens].tolist()
         top_lists = None
         if spec.logprobs:

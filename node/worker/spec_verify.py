@@ -19,10 +19,11 @@ from pagedllm.worker.sampler import (
     SAMPLING_EPS,
     Sampled,
     SampleRow,
-    _draw,
-    _filter,
     _generator,
+    draw,
+    filtered_probs,
     processed_logits,
+    uniform,
 )
 
 
@@ -58,21 +59,20 @@ def _rejection_sample(
     processed: torch.Tensor, spec: SamplingSpec, num_outputs: int, draft: list[int]
 ) -> list[int]:
     tokens: list[int] = []
+    probs = filtered_probs(processed[: len(draft) + 1], [spec] * (len(draft) + 1))
+    device = processed.device
     for i in range(len(draft) + 1):
-        probs = _filter(processed[i], spec)
-        gen = (
-            None if spec.seed is None else _generator(spec.seed, num_outputs + i, processed.device)
-        )
+        gen = None if spec.seed is None else _generator(spec.seed, num_outputs + i, device)
         if i == len(draft):
-            tokens.append(_draw(probs, gen))
+            tokens.extend(draw(probs[i : i + 1], uniform(gen, device)))
             break
         x = draft[i]
-        u = torch.rand((), generator=gen, device=processed.device)
-        if u < probs[x]:
+        u = torch.rand((), generator=gen, device=device)
+        if u < probs[i, x]:
             tokens.append(x)
             continue
-        residual = probs.clone()
-        residual[x] = 0.0
-        tokens.append(_draw(residual / residual.sum(), gen))
+        residual = probs[i : i + 1].clone()
+        residual[0, x] = 0.0
+        tokens.extend(draw(residual, uniform(gen, device)))
         break
     return tokens
