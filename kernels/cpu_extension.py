@@ -1,6 +1,6 @@
-"""Building and loading the C++ CPU kernels (``csrc/``: the paged decode attention and the
-layers' elementwise work and the
-weight-only quantized matmul, one library).
+"""Building and loading the C++ CPU kernels (``csrc/``: the paged decode attention, the
+layers' elementwise work, the weight-only quantized matmul and the float32 panel matmul, one
+library).
 
 The sources are compiled once per machine kind with the system C++ compiler, through torch's
 extension builder, into ``$PAGEDLLM_KERNEL_DIR`` (by default ``kernels/`` under the cache
@@ -28,7 +28,12 @@ log = logging.getLogger(__name__)
 
 NAME = "pagedllm_cpu"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "quant_linear_cpu.cpp")
+SOURCES = (
+    "paged_attention_cpu.cpp",
+    "layer_ops_cpu.cpp",
+    "quant_linear_cpu.cpp",
+    "panel_linear_cpu.cpp",
+)
 HEADERS = ("vec.h",)
 KERNEL_DIR_ENV = "PAGEDLLM_KERNEL_DIR"
 DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"  # "0" turns them off
@@ -40,6 +45,8 @@ OPS = (
     "silu_and_mul",
     "write_kv",
     "quant_linear",
+    "pack_linear_weight",
+    "panel_linear",
 )
 
 
@@ -57,6 +64,11 @@ def cpu_flags() -> set[str]:
 AVX512 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 
 
+def has_avx512() -> bool:
+    """Whether the kernels are built for AVX-512 (what the panel matmul needs)."""
+    return platform.machine() in ("x86_64", "AMD64") and AVX512 <= cpu_flags()
+
+
 def compiler_flags() -> list[str]:
     """-O3 and the x86-64 level the CPU has: v4 (AVX-512) or v3 (AVX2 and FMA), both portable
     across a generation of servers, unlike -march=native; with AVX-512 VNNI, the quantized
@@ -65,7 +77,7 @@ def compiler_flags() -> list[str]:
     cpu = cpu_flags()
     if platform.machine() not in ("x86_64", "AMD64"):
         return flags
-    if AVX512 <= cpu:
+    if has_avx512():
         flags.append("-march=x86-64-v4")
         if "avx512_vnni" in cpu:
             flags.append("-mavx512vnni")

@@ -1,7 +1,9 @@
 """Weight matmuls on the CPU through a packed layout, each weight packed once when the model
-is loaded (what inductor's CPU backend does with frozen weights): float32 weights in MKL's
-packed sgemm layout, bfloat16 ones (and float32 where MKL is missing) in oneDNN's blocked
-layout. Used on x86 CPUs; ``PAGEDLLM_ONEDNN_LINEAR=0`` keeps ``F.linear``.
+is loaded (what inductor's CPU backend does with frozen weights): float32 weights in panels of
+16 output features for the C++ panel matmul where the CPU has AVX-512 and the kernels are
+built (``csrc/panel_linear_cpu.cpp``), else in MKL's packed sgemm layout; bfloat16 ones (and
+float32 where MKL is missing) in oneDNN's blocked layout. Used on x86 CPUs;
+``PAGEDLLM_ONEDNN_LINEAR=0`` keeps ``F.linear``.
 
 On a 2-core AVX-512 machine, SmolLM2's 120 layer matmuls in float32 took (ms, one forward):
 
@@ -9,6 +11,15 @@ On a 2-core AVX-512 machine, SmolLM2's 120 layer matmuls in float32 took (ms, on
     F.linear  21.5  41.4  60.4
     oneDNN    26.6  31.9  51.8
     MKL       19.3  29.4  45.2
+
+and on the 2-core AVX-512 Xeon the panels came in (ms, each weight read from memory once):
+
+    rows      1     8     16    32    256
+    MKL       19.0  27.5  32.2  41.1  199
+    panels    15.3  22.5  30.0  41.8  212-222
+
+Decode steps run at the row counts where the panels lead; a prompt of hundreds of tokens
+costs 5-10 % more in its matmuls.
 
 MKL's packed layout does not depend on the row count it is packed for (its size is the same
 for 1 and 32 rows, and products of every row count match ``F.linear``): one copy serves every
@@ -26,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm.kernels import cpu_extension
 
 DISABLE_ENV = "PAGEDLLM_ONEDNN_LINEAR"  # "0" turns packing off
 # The batch oneDNN picks its layout for; decode batches are around it.
@@ -71,14 +84,16 @@ def bound_caches() -> None:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight in MKL's or oneDNN's packed layout (``data``, an opaque tensor). ``stand_in``
-    (MKL's only) has the original weight's shape and one element of storage: what MKL's op
-    reads of the original weight is its shape."""
+    """A weight in the panels of the C++ matmul (``panels``), or in MKL's or oneDNN's packed
+    layout (``data``, an opaque tensor). ``stand_in`` (MKL's only) has the original weight's
+    shape and one element of storage: what MKL's op reads of the original weight is its
+    shape."""
 
     data: torch.Tensor
     out_features: int
     in_features: int
     stand_in: torch.Tensor | None
+    panels: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -122,10 +137,17 @@ def _mkl_agrees(weight: torch.Tensor, packed: PackedWeight) -> bool:
     return True
 
 
+def _panels_available(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and cpu_extension.has_avx512() and cpu_extension.load()
+
+
 def pack(weight: torch.Tensor) -> PackedWeight:
-    """``weight`` ([out_features, in_features]) in MKL's layout (float32, where MKL's products
-    check out for its shape) or oneDNN's."""
+    """``weight`` ([out_features, in_features]) in panels (float32 on AVX-512 CPUs), MKL's
+    layout (float32, where MKL's products check out for its shape) or oneDNN's."""
     weight = weight.detach().contiguous()
+    if _panels_available(weight):
+        data = torch.ops.pagedllm_cpu.pack_linear_weight(weight)
+        return PackedWeight(data, weight.shape[0], weight.shape[1], None, panels=True)
     if _mkl_available(weight):
         packed = _mkl_pack(weight)
         shape = tuple(weight.shape)
@@ -157,7 +179,9 @@ def row_pieces(rows: int) -> list[tuple[int, int]]:
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the packed weight; through oneDNN, on the bounded
-    row counts above (MKL keeps nothing per row count)."""
+    row counts above (MKL and the panels keep nothing per row count)."""
+    if weight.panels:
+        return torch.ops.pagedllm_cpu.panel_linear(x, weight.data, weight.out_features, bias)
     if weight.stand_in is not None:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         return torch.ops.mkl._mkl_linear(x.contiguous(), weight.data, weight.stand_in, bias, rows)

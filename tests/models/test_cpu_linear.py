@@ -1,6 +1,6 @@
-"""Packed matmuls (MKL for float32, oneDNN for bfloat16): the same numbers as ``F.linear``;
-oneDNN's on a bounded set of row counts (it keeps a primitive per input shape it sees, so
-unbounded shapes grow the worker)."""
+"""Packed matmuls (the C++ panels for float32 on AVX-512 CPUs, else MKL; oneDNN for bfloat16):
+the same numbers as ``F.linear``; oneDNN's on a bounded set of row counts (it keeps a
+primitive per input shape it sees, so unbounded shapes grow the worker)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels import cpu_extension
 from pagedllm.models import cpu_linear
 
 pytestmark = pytest.mark.skipif(
@@ -65,8 +66,43 @@ def test_leading_dimensions_and_strided_inputs_are_kept(dtype: torch.dtype) -> N
     torch.testing.assert_close(out, F.linear(strided, weight), atol=tolerance, rtol=tolerance)
 
 
+PANELS = cpu_extension.has_avx512() and cpu_extension.load()
+
+
+@pytest.mark.skipif(not PANELS, reason="the panel matmul needs AVX-512 and the C++ kernels")
+@pytest.mark.parametrize("out_features", [1, 16, 40, 64, 97])
+def test_float32_weights_in_panels_equal_f_linear_at_every_row_count(out_features: int) -> None:
+    torch.manual_seed(out_features)
+    weight, bias = torch.randn(out_features, 72), torch.randn(out_features)
+    packed = cpu_linear.pack(weight)
+    assert packed.panels and packed.stand_in is None
+    # Pairs of 16-feature panels, the padding zero: the weight's bytes and less than a pair.
+    assert weight.numel() * 4 <= packed.nbytes < (out_features + 32) * 72 * 4
+    for rows in [*range(0, 27), 47, 300]:  # every tile of up to 12 rows, and their sums
+        x = torch.randn(rows, 72)
+        for b in (bias, None):
+            ours = cpu_linear.linear(x, packed, b)
+            assert ours.shape == (rows, out_features)
+            torch.testing.assert_close(ours, F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not PANELS, reason="the panel matmul needs AVX-512 and the C++ kernels")
+def test_the_panel_matmul_refuses_what_does_not_fit_its_weight() -> None:
+    packed = cpu_linear.pack(torch.randn(40, 24))
+    panel_linear = torch.ops.pagedllm_cpu.panel_linear
+    with pytest.raises(RuntimeError, match="input of 23 features for a weight of 24"):
+        panel_linear(torch.randn(2, 23), packed.data, 40, None)
+    with pytest.raises(RuntimeError, match="out_features does not fit"):
+        panel_linear(torch.randn(2, 24), packed.data, 80, None)
+    with pytest.raises(RuntimeError, match="bias of out_features values"):
+        panel_linear(torch.randn(2, 24), packed.data, 40, torch.randn(39))
+    with pytest.raises(RuntimeError, match="float32 input"):
+        panel_linear(torch.randn(2, 24, dtype=torch.bfloat16), packed.data, 40, None)
+
+
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
-def test_float32_weights_are_packed_for_mkl_once_for_every_row_count():
+def test_float32_weights_are_packed_for_mkl_once_for_every_row_count(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_panels_available", lambda weight: False)
     weight = torch.randn(200, 72)
     packed = cpu_linear.pack(weight)
     # MKL's layout, with a stand-in of the weight's shape that holds one element, not a copy.
@@ -82,6 +118,7 @@ def test_float32_weights_are_packed_for_mkl_once_for_every_row_count():
 
 
 def test_a_shape_whose_mkl_products_disagree_keeps_onednn(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_panels_available", lambda weight: False)
     monkeypatch.setattr(cpu_linear, "_mkl_checked", {})
     monkeypatch.setattr(cpu_linear, "_mkl_agrees", lambda weight, packed: False)
     weight = torch.randn(24, 40)
