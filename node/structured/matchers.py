@@ -23,6 +23,7 @@ import torch
 import xgrammar as xgr
 
 from pagedllm.core.step_plan import NewSequence
+from pagedllm.structured.utf8 import BOUNDARY, Utf8Guard, Utf8State, after
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,14 @@ class _Matcher:
     consumed: int = 0
     # A token the grammar refused: the sequence goes on unconstrained.
     broken: bool = False
+    # Where the output's bytes stand in a UTF-8 character (see structured.utf8).
+    utf8: Utf8State = BOUNDARY
 
 
 class GrammarMatchers:
     def __init__(self, info: xgr.TokenizerInfo) -> None:
         self.info = info
+        self.utf8 = Utf8Guard([bytes(t) for t in info.decoded_vocab], info.vocab_size)
         self.grammars: dict[str, xgr.CompiledGrammar] = {}
         self._matchers: dict[int, _Matcher] = {}
         self._bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
@@ -117,6 +121,7 @@ class GrammarMatchers:
             # step planned ahead still samples it, and that sample is dropped.
             if not state.broken and not state.matcher.is_terminated():
                 state.matcher.fill_next_token_bitmask(self._bitmask, i)
+                self._bitmask[i] &= self.utf8.packed(state.utf8)
                 filled.append(i)
         return TokenMask(self._bitmask[: len(seqs)], filled) if filled else None
 
@@ -135,5 +140,8 @@ class GrammarMatchers:
                     token,
                 )
                 state.broken = True
+            if token < len(self.utf8.token_bytes):
+                # Past a malformed byte (unconstrained output), start again at the next token.
+                state.utf8 = after(state.utf8, self.utf8.token_bytes[token]) or BOUNDARY
         state.consumed = len(outputs)
         return state
