@@ -211,6 +211,14 @@ def draining(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A node of its own, with room for a request that outlasts the test: the drain below must
     still be waiting for it when the test asks the node for its feed."""
     running = start_server(tmp_path_factory.mktemp("kv-events-drain"))
+
+    def feed_open() -> bool:
+        # Ready before the scheduler's cache layout reaches the API server: until then the
+        # feed answers 503 (starting).
+        with httpx.stream("GET", f"{running.url}/v1/kv_events", timeout=10) as answer:
+            return answer.status_code == 200
+
+    running.wait_until(feed_open, what="the KV-events feed")
     yield running
     running.stop()
 
