@@ -50,6 +50,7 @@ OPS = (
 )
 
 
+@cache
 def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:

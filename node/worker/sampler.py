@@ -148,11 +148,11 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
     mass. One random number a row, where a race of exponentials needs one per token."""
     cdf = torch.cumsum(probs, dim=-1)
     targets = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, targets, right=True)[:, 0].tolist()
-    for i, token in enumerate(tokens):
-        # The target rounded up to the row's whole mass: its last token that can occur.
-        if token >= probs.shape[-1] or float(probs[i, token]) <= 0.0:
-            tokens[i] = int(torch.nonzero(probs[i]).max())
+    picked = torch.searchsorted(cdf, targets, right=True).clamp_(max=probs.shape[-1] - 1)
+    tokens = picked[:, 0].tolist()
+    # A target rounded up to the row's whole mass: its last token that can occur.
+    for i in torch.nonzero(probs.gather(1, picked)[:, 0] <= 0.0)[:, 0].tolist():
+        tokens[i] = int(torch.nonzero(probs[i]).max())
     return tokens
 
 
