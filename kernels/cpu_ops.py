@@ -151,17 +151,19 @@ def decode_attention(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """One query per sequence (``q`` is ``[num_seqs, Hq, D]``) over its ``seq_lens_k`` keys."""
-    seq_lens_k = seq_lens_k.long().contiguous()
     if cpu_extension.load():
+        if seq_lens_k.dtype not in (torch.int32, torch.long):
+            seq_lens_k = seq_lens_k.long()
         return torch.ops.pagedllm_cpu.paged_decode_attention(
             q,
             k_cache,
             v_cache,
             block_tables.to(torch.int32).contiguous(),
-            seq_lens_k,
+            seq_lens_k.contiguous(),
             scale,
             sliding_window or 0,
         )
+    seq_lens_k = seq_lens_k.long()
     num_keys = int(seq_lens_k.max())
     k = _gather(k_cache, block_tables, num_keys)
     v = _gather(v_cache, block_tables, num_keys)

@@ -206,7 +206,15 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const T* k_ptr = k_cache.data_ptr<T>();
   const T* v_ptr = v_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  // int32 (the engine's step metadata) or int64 lengths, read once here rather than
+  // converted by a tensor op per layer.
+  std::vector<int64_t> lens_of(num_seqs);
+  if (seq_lens.scalar_type() == at::kInt) {
+    std::copy_n(seq_lens.data_ptr<int32_t>(), num_seqs, lens_of.begin());
+  } else {
+    std::copy_n(seq_lens.data_ptr<int64_t>(), num_seqs, lens_of.begin());
+  }
+  const int64_t* lens = lens_of.data();
   T* out_ptr = out.data_ptr<T>();
   const int64_t table_stride = block_tables.stride(0);
   const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
@@ -272,9 +280,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
                   block_tables.stride(1) == 1 && block_tables.size(0) == q.size(0),
               "block_tables must be int32 [num_seqs, max_blocks]");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
-                  seq_lens.numel() == q.size(0),
-              "seq_lens must be int64 [num_seqs]");
+  TORCH_CHECK((seq_lens.scalar_type() == at::kLong || seq_lens.scalar_type() == at::kInt) &&
+                  seq_lens.is_contiguous() && seq_lens.numel() == q.size(0),
+              "seq_lens must be int32 or int64 [num_seqs]");
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_attention<scalar_t>(q, k_cache, v_cache, block_tables, seq_lens, out,
