@@ -1,6 +1,6 @@
 """Building and loading the C++ CPU kernels (``csrc/``: the paged decode attention, the
-layers' elementwise work, the weight-only quantized matmul and the float32 panel matmul, one
-library).
+layers' elementwise work, the weight-only quantized matmul, the float32 panel matmul and the
+decode graph that runs a decode step's layers over them, one library).
 
 The sources are compiled once per machine kind with the system C++ compiler, through torch's
 extension builder, into ``$PAGEDLLM_KERNEL_DIR`` (by default ``kernels/`` under the cache
@@ -33,6 +33,7 @@ SOURCES = (
     "layer_ops_cpu.cpp",
     "quant_linear_cpu.cpp",
     "panel_linear_cpu.cpp",
+    "decode_graph_cpu.cpp",
 )
 HEADERS = ("vec.h",)
 KERNEL_DIR_ENV = "PAGEDLLM_KERNEL_DIR"
@@ -47,6 +48,7 @@ OPS = (
     "quant_linear",
     "pack_linear_weight",
     "panel_linear",
+    "decode_layers",
 )
 
 

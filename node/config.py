@@ -35,6 +35,8 @@ class EngineConfig:
     ``enable_lora`` serves LoRA adapters (``LoRARequest``) beside the base model: at most
     ``max_loras`` of them in one step, of rank at most ``max_lora_rank``, with
     ``max_cpu_loras`` (default ``max_loras``) kept loaded.
+    ``enforce_eager`` runs every step through the eager modules, never the decode graph
+    (``pagedllm.models.decode_graph``).
     """
 
     model: str | None = None
@@ -57,6 +59,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)

@@ -26,6 +26,7 @@ from pagedllm.worker.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from pagedllm.models.config import ModelConfig
+    from pagedllm.models.decode_graph import DecodeGraph
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -125,8 +126,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    # Runs the layers of decode steps in one call where set (``decode_graph.build``).
+    decode_graph: DecodeGraph | None = None
+
     def __init__(self, config: ModelConfig, ops: ModuleType, tp_size: int) -> None:
         super().__init__()
+        self.ops = ops
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
@@ -143,6 +148,9 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rotary = self.rotary_emb(positions, x.dtype)
+        graph = self.decode_graph
+        if graph is not None and graph.covers(x, kv_caches, meta):
+            return graph.run(x, rotary, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rotary, kv_cache, meta)

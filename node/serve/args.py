@@ -281,6 +281,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(auto), or the pure-torch reference",
     )
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run decode steps through the eager modules, not as one C++ call",
+    )
+    p.add_argument(
         "--max-waiting",
         type=positive_int,
         default=None,
@@ -451,6 +456,7 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
             max_loras=ns.max_loras,
             max_lora_rank=ns.max_lora_rank,
             max_cpu_loras=ns.max_cpu_loras,
+            enforce_eager=ns.enforce_eager,
         )
     except ValueError as error:
         parser.error(str(error))

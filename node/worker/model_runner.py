@@ -22,6 +22,7 @@ from pagedllm.core.step_plan import (
 )
 from pagedllm.kernels import kernel_ops
 from pagedllm.lora.manager import LoRAManager
+from pagedllm.models import decode_graph
 from pagedllm.models.loader import load_model
 from pagedllm.worker import kv_cache
 from pagedllm.worker.attention_metadata import AttentionMetadata
@@ -89,6 +90,13 @@ class ModelRunner:
             self.loras = LoRAManager(
                 self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras
             )
+        if not config.enforce_eager and self.loras is None:
+            # vLLM's CPU backend runs eager under LoRA too: adapters add to every matmul.
+            self.model.model.decode_graph = decode_graph.build(self.model.model)
+        log.info(
+            "decode steps: %s",
+            "eager" if self.model.model.decode_graph is None else "one call (decode graph)",
+        )
         self.seqs: dict[int, NewSequence] = {}
         # seq id -> the (first) token sampled for it in the last step that sampled it
         self.last_samples: dict[int, int] = {}

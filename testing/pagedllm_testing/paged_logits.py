@@ -156,16 +156,23 @@ class PagedRun:
         return {index: logits[cu_seqlens[n] : cu_seqlens[n + 1]] for n, index in enumerate(chunks)}
 
 
-def paged_logits(
+def paged_run(
     model: CausalLM, tokens: list[torch.Tensor], block_size: int
-) -> list[torch.Tensor]:
+) -> tuple[list[torch.Tensor], PagedRun]:
+    """Each sequence's logits over the schedule, and the run (its KV caches)."""
     run = PagedRun(model, block_size)
     sequences = [PagedSequence(t) for t in tokens]
     outputs: list[list[torch.Tensor]] = [[] for _ in tokens]
     for chunks in SCHEDULE:
         for index, logits in run.step(sequences, chunks).items():
             outputs[index].append(logits)
-    return [torch.cat(chunks) for chunks in outputs]
+    return [torch.cat(chunks) for chunks in outputs], run
+
+
+def paged_logits(
+    model: CausalLM, tokens: list[torch.Tensor], block_size: int
+) -> list[torch.Tensor]:
+    return paged_run(model, tokens, block_size)[0]
 
 
 def assert_logits_match(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:

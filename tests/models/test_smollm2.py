@@ -69,8 +69,8 @@ def prompts(smollm2) -> list[str]:
     return [chat, *PLAIN_PROMPTS]
 
 
-def greedy(model: str, prompts: list[str]):
-    llm = LLM(model=model, **ENGINE_ARGS)
+def greedy(model: str, prompts: list[str], **settings):
+    llm = LLM(model=model, **ENGINE_ARGS, **settings)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     del llm
     gc.collect()
@@ -115,6 +115,15 @@ def test_greedy_tokens_match_transformers_on_the_same_file(gguf_outputs, hf_mode
         with torch.no_grad():
             expected = hf_model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
         assert output.outputs[0].token_ids == expected[0, ids.shape[1] :].tolist(), output.prompt
+
+
+def test_eager_decode_steps_give_the_same_tokens(gguf_outputs, prompts):
+    """The parity above ran its decode steps through the decode graph; the eager modules
+    must agree token for token."""
+    for ours, eager in zip(
+        gguf_outputs, greedy("smollm2", prompts, enforce_eager=True), strict=True
+    ):
+        assert ours.outputs[0].token_ids == eager.outputs[0].token_ids, ours.prompt
 
 
 def test_the_answers_are_real_text(gguf_outputs):

@@ -1,0 +1,136 @@
+"""A decode step's decoder layers as one C++ call, where the model allows it.
+
+In a decode step (one new token per sequence) each layer is the same dozen operations; from
+Python they are a dozen operator calls and as many module calls a layer, and between matmuls
+that stream their weights from memory the interpreter runs with cold caches: on SmolLM2's 30
+layers that glue cost several milliseconds a step. ``decode_layers``
+(``kernels/csrc/decode_graph_cpu.cpp``) runs every layer from C++ through the same ops, so
+its results are the eager forward's. It is what vLLM's CPU backend gets from compiling its
+forward with ``torch.compile``, without a compile at start-up: the library is built with the
+other CPU kernels, once per machine.
+
+It covers the CPU backend with float32 weights in panels (``cpu_linear``), one rank, no LoRA
+adapters; prompts, mixed steps and every other model run the eager modules.
+``enforce_eager`` (vLLM's ``--enforce-eager``) turns it off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedllm.kernels import cpu_extension, cpu_ops
+from pagedllm.worker.attention_metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from pagedllm.models.layers import PackableLinear
+    from pagedllm.models.llama import DecoderModel, KVCache
+
+
+@dataclass(frozen=True)
+class DecodeGraph:
+    """The tensors and sizes ``decode_layers`` takes, gathered once from a loaded model."""
+
+    weights: list[torch.Tensor]  # per layer: input norm, qkv, o, post norm, gate/up, down
+    biases: list[torch.Tensor | None]  # per layer: qkv, o, gate/up, down
+    qk_norms: list[torch.Tensor | None]  # per layer: q, k
+    shape: list[int]  # heads, KV heads, head_dim, hidden, qkv and gate/up out_features
+    windows: list[int]  # per layer, 0 for none
+    eps: float
+    scale: float
+    final_norm: torch.Tensor
+
+    def covers(self, x: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> bool:
+        """Whether this step is one the graph runs: a token per sequence, caches in the
+        activations' dtype."""
+        return (
+            meta.max_seqlen_q == 1
+            and x.shape[0] == meta.seq_lens_k.shape[0]
+            and meta.slot_mapping.dtype == torch.long
+            and all(k.dtype == x.dtype for k, _ in kv_caches)
+        )
+
+    def run(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The final hidden states of a decode step; ``x`` (the embeddings) is overwritten."""
+        return torch.ops.pagedllm_cpu.decode_layers(
+            x,
+            *rotary,
+            self.weights,
+            self.biases,
+            self.qk_norms,
+            [k for k, _ in kv_caches],
+            [v for _, v in kv_caches],
+            meta.block_tables,
+            meta.seq_lens_k,
+            meta.slot_mapping,
+            self.shape,
+            self.windows,
+            self.eps,
+            self.scale,
+            self.final_norm,
+        )
+
+
+def _panels(linear: PackableLinear) -> torch.Tensor | None:
+    packed = linear.packed
+    if packed is None or not packed.panels or linear.lora is not None:
+        return None
+    return packed.data
+
+
+def build(model: DecoderModel) -> DecodeGraph | None:
+    """The graph of ``model``, or None where it runs eager only (another backend or dtype, a
+    matmul not in panels, tensor parallelism, adapters)."""
+    if model.ops is not cpu_ops or not cpu_extension.load():
+        return None
+    eps = model.norm.eps
+    weights: list[torch.Tensor] = []
+    biases: list[torch.Tensor | None] = []
+    qk_norms: list[torch.Tensor | None] = []
+    windows: list[int] = []
+    shapes = set()
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        panels = [_panels(linear) for linear in linears]
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if attn.q_norm is not None:
+            norms += [attn.q_norm, attn.k_norm]
+        if (
+            any(p is None for p in panels)
+            or any(norm.eps != eps for norm in norms)
+            or attn.o_proj.tp_size != 1
+            or mlp.down_proj.tp_size != 1
+        ):
+            return None
+        qkv, o, gate_up, down = panels
+        weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight]
+        weights += [gate_up, down]
+        biases += [linear.bias for linear in linears]
+        qk_norms += (
+            [None, None] if attn.q_norm is None else [attn.q_norm.weight, attn.k_norm.weight]
+        )
+        windows.append(attn.sliding_window or 0)
+        shapes.add(
+            (
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.head_dim,
+                attn.o_proj.out_features,
+                attn.qkv_proj.out_features,
+                mlp.gate_up_proj.out_features,
+                attn.scale,
+            )
+        )
+    if len(shapes) != 1 or any(w.dtype != torch.float32 for w in weights):
+        return None
+    *shape, scale = shapes.pop()
+    return DecodeGraph(weights, biases, qk_norms, shape, windows, eps, scale, model.norm.weight)

@@ -1,0 +1,110 @@
+"""Decode steps as one C++ call (``pagedllm.models.decode_graph``) against the eager modules.
+
+Every architecture the loader takes runs the parity schedule twice, with and without the
+graph: the logits must be the same bits (the graph calls the same ops in the same order), the
+KV caches the same, and both match transformers. The graph must have run the decode steps,
+and only those.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.cli import build_parser
+from pagedllm.config import EngineConfig
+from pagedllm.kernels import cpu_extension
+from pagedllm.models import cpu_linear, decode_graph
+from pagedllm.models.decode_graph import DecodeGraph
+from pagedllm.models.loader import load_model
+from pagedllm.serve.args import serve_args
+from pagedllm_testing.paged_logits import (
+    CASES,
+    SCHEDULE,
+    assert_logits_match,
+    hf_logits,
+    paged_run,
+    token_sequences,
+)
+from pagedllm_testing.tiny_models import save_hf_model
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_extension.has_avx512() and cpu_extension.load()),
+    reason="the decode graph multiplies through the AVX-512 panel matmul",
+)
+
+DECODE_STEPS = sum(1 for chunks in SCHEDULE if all(n == 1 for n in chunks.values()))
+
+
+def run_schedule(model, tokens):
+    logits, run = paged_run(model, tokens, block_size=4)
+    return logits, run.kv_caches
+
+
+@pytest.fixture
+def graph_calls(monkeypatch):
+    calls: list[int] = []
+    run = DecodeGraph.run
+
+    def counted(self, x, *args):
+        calls.append(x.shape[0])
+        return run(self, x, *args)
+
+    monkeypatch.setattr(DecodeGraph, "run", counted)
+    return calls
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_graph_gives_the_eager_bits_on_every_architecture(tmp_path, case, graph_calls):
+    hf_model = save_hf_model(tmp_path, CASES[case])
+    model, _ = load_model(tmp_path)
+    tokens = token_sequences()
+    eager_logits, eager_caches = run_schedule(model, tokens)
+    assert not graph_calls
+
+    model.model.decode_graph = decode_graph.build(model.model)
+    assert model.model.decode_graph is not None
+    logits, caches = run_schedule(model, tokens)
+    # Prompts and the mixed step stay eager; each decode step is one call.
+    assert len(graph_calls) == DECODE_STEPS and all(n in (1, 2) for n in graph_calls)
+    for ours, eager in zip(logits, eager_logits, strict=True):
+        assert torch.equal(ours, eager)
+    for (k, v), (k_eager, v_eager) in zip(caches, eager_caches, strict=True):
+        assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
+    assert_logits_match(logits, hf_logits(hf_model, tokens))
+
+
+def test_models_the_graph_does_not_cover_run_eager(tmp_path, monkeypatch):
+    save_hf_model(tmp_path, CASES["llama-gqa"])
+    bf16, _ = load_model(tmp_path, dtype="bfloat16")
+    assert decode_graph.build(bf16.model) is None  # oneDNN's bfloat16 layout, not panels
+    with_adapter, _ = load_model(tmp_path)
+    with_adapter.model.layers[1].mlp.down_proj.lora = object()  # type: ignore[assignment]
+    assert decode_graph.build(with_adapter.model) is None
+    monkeypatch.setenv(cpu_linear.DISABLE_ENV, "0")
+    dense, _ = load_model(tmp_path)
+    assert decode_graph.build(dense.model) is None
+
+
+def test_the_engine_decodes_through_the_graph_unless_told_to_stay_eager(graph_calls):
+    prompts = ["The capital of France is", "One, two, three,"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for eager in (False, True):
+        llm = LLM(kv_cache_memory=16 * 2**20, enforce_eager=eager)
+        assert (llm.engine.runner.model.model.decode_graph is None) == eager
+        before = len(graph_calls)
+        outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert (len(graph_calls) == before) == eager
+    assert outputs[False] == outputs[True]
+    assert all(len(tokens) == 12 for tokens in outputs[False])
+
+
+def test_enforce_eager_is_a_serve_flag():
+    parser = build_parser()
+    for flags, eager in ((["--enforce-eager"], True), ([], False)):
+        assert (
+            serve_args(parser.parse_args(["serve", *flags]), parser).engine.enforce_eager is eager
+        )
+    assert EngineConfig().enforce_eager is False
