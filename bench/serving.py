@@ -259,17 +259,6 @@ def start(server: Server, workdir: Path) -> subprocess.Popen:
     )
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def pause(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGSTOP)
@@ -545,7 +534,7 @@ def measure(
     finally:
         for proc in procs.values():
             resume(proc)
-            stop(proc)
+            common.stop_process(proc)
     return {name: median_levels(levels) for name, levels in runs.items()}, ready_s
 
 

@@ -35,7 +35,7 @@ SOURCES = (
     "panel_linear_cpu.cpp",
     "decode_graph_cpu.cpp",
 )
-HEADERS = ("vec.h",)
+HEADERS = ("aten.h", "vec.h")
 KERNEL_DIR_ENV = "PAGEDLLM_KERNEL_DIR"
 DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"  # "0" turns them off
 OPS = (

@@ -1,12 +1,14 @@
 // A decode step's decoder layers as one call: every layer of a Llama-family model (norms,
 // fused q/k/v, per-head q/k norms, rotary embedding, KV write, paged decode attention, output
-// projection, gated MLP) run from C++ over the library's own ops, weights packed in panels.
+// projection, gated MLP) run from C++ over the library's own ops, the weights in float32
+// panels (panel_linear) or kept quantized (quant_linear).
 // In Python the same sequence is about a dozen operator calls and as many module calls a
 // layer; between two matmuls that stream their weights from memory the interpreter's own
 // working set is cold, and on a 30-layer model that glue took several milliseconds a step.
 // The ops are reached through the dispatcher, so each runs exactly as it does from Python
 // (same checks, same numerics): the results are the eager forward's, bit for bit.
-#include <ATen/ATen.h>
+#include "aten.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -17,10 +19,14 @@ namespace {
 
 using OptTensor = std::optional<at::Tensor>;
 
-// Per layer, in this order, in `weights` and `biases` and `qk_norms`.
-constexpr int64_t kWeights = 6;  // input norm, qkv, o, post-attention norm, gate/up, down
-constexpr int64_t kBiases = 4;   // qkv, o, gate/up, down
-constexpr int64_t kQkNorms = 2;  // q, k
+// Per layer, in this order: `norms` input and post-attention; `weights`, `scales`, `mins`,
+// `biases` and `linears` (3 ints each: kind, bits, group size) qkv, o, gate/up, down;
+// `qk_norms` q and k.
+constexpr int64_t kNorms = 2;
+constexpr int64_t kLinears = 4;
+constexpr int64_t kLinearInts = 3;
+constexpr int64_t kQkNorms = 2;
+constexpr int64_t kPanels = 0, kQuantized = 1;  // a linear's kind
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name) {
@@ -32,6 +38,11 @@ struct Ops {
                                       const OptTensor&)>
       linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&)>(
           "pagedllm_cpu::panel_linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const OptTensor&, int64_t, int64_t)>
+      quant_linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const OptTensor&, int64_t, int64_t)>(
+          "pagedllm_cpu::quant_linear");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("pagedllm_cpu::rms_norm");
   c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>
@@ -58,24 +69,49 @@ const Ops& ops() {
   return instance;
 }
 
+// One of a layer's projections, y = x W^T (+ bias), as PackableLinear runs it.
+struct Linear {
+  const at::Tensor& weight;
+  const OptTensor scales, mins, bias;
+  const int64_t* ints;  // kind, bits, group size
+  int64_t out_features;
+
+  at::Tensor operator()(const Ops& o, const at::Tensor& x) const {
+    if (ints[0] == kPanels) return o.linear.call(x, weight, out_features, bias);
+    const at::Tensor y = o.quant_linear.call(x, weight, *scales, mins, ints[1], ints[2]);
+    return bias.has_value() ? y.add(*bias) : y;
+  }
+};
+
 // shape: num_heads, num_kv_heads, head_dim, hidden_size, qkv out_features, gate/up
 // out_features. Returns the final norm of the last layer's output, as the eager forward does;
 // `x` (the embeddings) becomes the residual stream.
 at::Tensor decode_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                         at::TensorList weights, const c10::List<OptTensor>& biases,
+                         at::TensorList norms, at::TensorList weights,
+                         const c10::List<OptTensor>& scales, const c10::List<OptTensor>& mins,
+                         const c10::List<OptTensor>& biases, at::IntArrayRef linears,
                          const c10::List<OptTensor>& qk_norms, at::TensorList k_caches,
                          at::TensorList v_caches, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, const at::Tensor& slots,
                          at::IntArrayRef shape, at::IntArrayRef windows, double eps, double scale,
                          const at::Tensor& final_norm) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
+  const auto per_layer = [&](size_t size, int64_t each) {
+    return static_cast<int64_t>(size) == each * layers;
+  };
   TORCH_CHECK(shape.size() == 6, "decode_layers: shape is 6 sizes");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeights * layers &&
-                  static_cast<int64_t>(biases.size()) == kBiases * layers &&
-                  static_cast<int64_t>(qk_norms.size()) == kQkNorms * layers &&
-                  static_cast<int64_t>(v_caches.size()) == layers &&
-                  static_cast<int64_t>(windows.size()) == layers,
+  TORCH_CHECK(per_layer(norms.size(), kNorms) && per_layer(weights.size(), kLinears) &&
+                  per_layer(scales.size(), kLinears) && per_layer(mins.size(), kLinears) &&
+                  per_layer(biases.size(), kLinears) &&
+                  per_layer(linears.size(), kLinears * kLinearInts) &&
+                  per_layer(qk_norms.size(), kQkNorms) && per_layer(v_caches.size(), 1) &&
+                  per_layer(windows.size(), 1),
               "decode_layers: per-layer lists of different lengths");
+  for (int64_t i = 0; i < kLinears * layers; ++i) {
+    const int64_t kind = linears[kLinearInts * i];
+    TORCH_CHECK(kind == kPanels || (kind == kQuantized && scales.get(i).has_value()),
+                "decode_layers: a linear is in panels, or quantized with its scales");
+  }
   TORCH_CHECK(x.dim() == 2 && x.size(0) == seq_lens.size(0),
               "decode_layers: one token per sequence");
   const int64_t heads = shape[0], kv_heads = shape[1], head_dim = shape[2], hidden = shape[3];
@@ -86,19 +122,24 @@ at::Tensor decode_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor&
   at::Tensor residual = x;
   at::Tensor h;  // the last layer's MLP output
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = weights.data() + kWeights * l;
-    const auto bias = [&](int64_t i) { return biases.get(kBiases * l + i); };
+    const at::Tensor* norm = norms.data() + kNorms * l;
+    const auto linear = [&](int64_t i, int64_t out_features) {
+      const int64_t at = kLinears * l + i;
+      return Linear{weights[at],         scales.get(at), mins.get(at), biases.get(at),
+                    linears.data() + kLinearInts * at, out_features};
+    };
     at::Tensor normed;
     if (l == 0) {
-      normed = o.rms_norm.call(residual, w[0], eps);
+      normed = o.rms_norm.call(residual, norm[0], eps);
     } else {
-      o.add_rms_norm.call(h, residual, w[0], eps);
+      o.add_rms_norm.call(h, residual, norm[0], eps);
       normed = h;
     }
-    const at::Tensor qkv = o.linear.call(normed, w[1], qkv_out, bias(0));
+    const at::Tensor qkv = linear(0, qkv_out)(o, normed);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
+    const at::Tensor v =
+        qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
     const OptTensor q_norm = qk_norms.get(kQkNorms * l), k_norm = qk_norms.get(kQkNorms * l + 1);
     if (q_norm.has_value()) {
       // Heads as rows, a copy of each strided view, as the eager RMSNorm does.
@@ -110,10 +151,10 @@ at::Tensor decode_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor&
     o.write_kv.call(k, v, k_cache, v_cache, slots);
     const at::Tensor attended =
         o.attention.call(q, k_cache, v_cache, block_tables, seq_lens, scale, windows[l]);
-    at::Tensor projected = o.linear.call(attended.view({tokens, q_size}), w[2], hidden, bias(1));
-    o.add_rms_norm.call(projected, residual, w[3], eps);
-    const at::Tensor gate_up = o.linear.call(projected, w[4], gate_up_out, bias(2));
-    h = o.linear.call(o.silu_and_mul.call(gate_up), w[5], hidden, bias(3));
+    at::Tensor projected = linear(1, hidden)(o, attended.view({tokens, q_size}));
+    o.add_rms_norm.call(projected, residual, norm[1], eps);
+    const at::Tensor gate_up = linear(2, gate_up_out)(o, projected);
+    h = linear(3, hidden)(o, o.silu_and_mul.call(gate_up));
   }
   if (layers == 0) return o.rms_norm.call(residual, final_norm, eps);
   o.add_rms_norm.call(h, residual, final_norm, eps);
@@ -124,9 +165,10 @@ at::Tensor decode_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
-      "decode_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, "
-      "Tensor?[] qk_norms, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor block_tables, "
-      "Tensor seq_lens, Tensor slots, int[] shape, int[] windows, float eps, float scale, "
-      "Tensor final_norm) -> Tensor");
+      "decode_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, "
+      "Tensor?[] scales, Tensor?[] mins, Tensor?[] biases, int[] linears, Tensor?[] qk_norms, "
+      "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor block_tables, Tensor seq_lens, "
+      "Tensor slots, int[] shape, int[] windows, float eps, float scale, Tensor final_norm) -> "
+      "Tensor");
   m.impl("decode_layers", c10::DispatchKey::CPU, &decode_layers);
 }

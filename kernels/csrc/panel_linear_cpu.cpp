@@ -9,7 +9,8 @@
 // / 32 on a 2-core AVX-512 Xeon before the prefetch, which took another 10-15 % off at 4-128
 // rows (8 / 16 / 32 rows: 25.6 / 33.9 / 46.0 ms -> 22.1 / 28.6 / 40.2 in alternation, a slower
 // hour); at 256 rows (prompts) within 10 % of MKL.
-#include <ATen/ATen.h>
+#include "aten.h"
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -576,10 +576,27 @@ using GemmType = float;
 constexpr int64_t kGemmRows = 32;
 #endif
 
+// The GEMM takes the weight a slice of output features at a time, each slice de-quantized just
+// before its product, while it is still in cache: de-quantized whole, SmolLM2's tied head
+// (49,152 x 576) wrote 56 MB and read them back every call, 22.7 ms at 32 rows against 4.2 for
+// the integer products at 16.
+constexpr int64_t kGemmSliceValues = int64_t{1} << 20;
+
 template <int BITS, bool HAS_MIN>
 at::Tensor gemm(const at::Tensor& x, const Weight& w, int64_t N) {
-  const at::Tensor weight = dequantized<BITS, HAS_MIN, GemmType>(w, N, x.size(1));
-  return at::linear(x.to(weight.scalar_type()), weight);  // converted by the caller
+  const int64_t K = x.size(1);
+  const at::Tensor rows = x.to(c10::CppTypeToScalarType<GemmType>::value);
+  const int64_t slice = std::max<int64_t>(64, kGemmSliceValues / K);
+  if (N <= slice) return at::linear(rows, dequantized<BITS, HAS_MIN, GemmType>(w, N, K));
+  at::Tensor out = at::empty({x.size(0), N}, rows.options());  // converted by the caller
+  for (int64_t n0 = 0; n0 < N; n0 += slice) {
+    const int64_t n = std::min(slice, N - n0);
+    const Weight part{w.q + n0 * w.q_row, w.scale + n0 * w.groups,
+                      w.min == nullptr ? nullptr : w.min + n0 * w.groups, w.q_row, w.groups,
+                      w.group};
+    out.narrow(1, n0, n).copy_(at::linear(rows, dequantized<BITS, HAS_MIN, GemmType>(part, n, K)));
+  }
+  return out;
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,

@@ -2,7 +2,7 @@
 // compiler picks AVX2, AVX-512 or NEON), and the loads, stores and exp they share.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten.h"
 
 #include <cstdint>
 #include <cstring>

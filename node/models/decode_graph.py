@@ -9,9 +9,10 @@ its results are the eager forward's. It is what vLLM's CPU backend gets from com
 forward with ``torch.compile``, without a compile at start-up: the library is built with the
 other CPU kernels, once per machine.
 
-It covers the CPU backend with float32 weights in panels (``cpu_linear``), one rank, no LoRA
-adapters; prompts, mixed steps and every other model run the eager modules.
-``enforce_eager`` (vLLM's ``--enforce-eager``) turns it off.
+It covers the CPU backend with weights in float32 panels (``cpu_linear``) or kept quantized
+(``--quantization gguf`` or ``int8``), one rank, no LoRA adapters; prompts, mixed steps and
+every other model run the eager modules. ``enforce_eager`` (vLLM's ``--enforce-eager``) turns
+it off.
 """
 
 from __future__ import annotations
@@ -29,12 +30,21 @@ if TYPE_CHECKING:
     from pagedllm.models.llama import DecoderModel, KVCache
 
 
+# A projection's kind, as the C++ graph reads it.
+PANELS, QUANTIZED = 0, 1
+
+
 @dataclass(frozen=True)
 class DecodeGraph:
     """The tensors and sizes ``decode_layers`` takes, gathered once from a loaded model."""
 
-    weights: list[torch.Tensor]  # per layer: input norm, qkv, o, post norm, gate/up, down
-    biases: list[torch.Tensor | None]  # per layer: qkv, o, gate/up, down
+    norms: list[torch.Tensor]  # per layer: input, post-attention
+    # Per layer, each of qkv, o, gate/up, down:
+    weights: list[torch.Tensor]  # panels, or the quantized values
+    scales: list[torch.Tensor | None]
+    mins: list[torch.Tensor | None]
+    biases: list[torch.Tensor | None]
+    linears: list[int]  # kind, bits, group size
     qk_norms: list[torch.Tensor | None]  # per layer: q, k
     shape: list[int]  # heads, KV heads, head_dim, hidden, qkv and gate/up out_features
     windows: list[int]  # per layer, 0 for none
@@ -43,11 +53,12 @@ class DecodeGraph:
     final_norm: torch.Tensor
 
     def covers(self, x: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> bool:
-        """Whether this step is one the graph runs: a token per sequence, caches in the
-        activations' dtype."""
+        """Whether this step is one the graph runs: a token per sequence, activations in the
+        norms' dtype, caches in theirs."""
         return (
             meta.max_seqlen_q == 1
             and x.shape[0] == meta.seq_lens_k.shape[0]
+            and x.dtype == self.final_norm.dtype
             and meta.slot_mapping.dtype == torch.long
             and all(k.dtype == x.dtype for k, _ in kv_caches)
         )
@@ -63,8 +74,12 @@ class DecodeGraph:
         return torch.ops.pagedllm_cpu.decode_layers(
             x,
             *rotary,
+            self.norms,
             self.weights,
+            self.scales,
+            self.mins,
             self.biases,
+            self.linears,
             self.qk_norms,
             [k for k, _ in kv_caches],
             [v for _, v in kv_caches],
@@ -79,20 +94,33 @@ class DecodeGraph:
         )
 
 
-def _panels(linear: PackableLinear) -> torch.Tensor | None:
-    packed = linear.packed
-    if packed is None or not packed.panels or linear.lora is not None:
+Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[int]]
+
+
+def _projection(linear: PackableLinear) -> Projection | None:
+    """``(weight, scales, mins, [kind, bits, group size])`` of a projection the graph runs as
+    ``linear`` would, or None."""
+    if linear.lora is not None:
         return None
-    return packed.data
+    q = linear.quantized
+    if q is not None:
+        if linear.quant_ops is not cpu_ops:
+            return None
+        return q.qweight, q.scales, q.mins, [QUANTIZED, q.bits, q.group_size]
+    packed = linear.packed
+    if packed is not None and packed.panels:
+        return packed.data, None, None, [PANELS, 0, 0]
+    return None
 
 
 def build(model: DecoderModel) -> DecodeGraph | None:
-    """The graph of ``model``, or None where it runs eager only (another backend or dtype, a
-    matmul not in panels, tensor parallelism, adapters)."""
+    """The graph of ``model``, or None where it runs eager only (another backend, a matmul
+    neither in panels nor quantized, tensor parallelism, adapters)."""
     if model.ops is not cpu_ops or not cpu_extension.load():
         return None
-    eps = model.norm.eps
-    weights: list[torch.Tensor] = []
+    eps, dtype = model.norm.eps, model.norm.weight.dtype
+    norms: list[torch.Tensor] = []
+    projections: list[Projection] = []
     biases: list[torch.Tensor | None] = []
     qk_norms: list[torch.Tensor | None] = []
     windows: list[int] = []
@@ -100,20 +128,19 @@ def build(model: DecoderModel) -> DecodeGraph | None:
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        panels = [_panels(linear) for linear in linears]
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        found = [_projection(linear) for linear in linears]
+        layer_norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if attn.q_norm is not None:
-            norms += [attn.q_norm, attn.k_norm]
+            layer_norms += [attn.q_norm, attn.k_norm]
         if (
-            any(p is None for p in panels)
-            or any(norm.eps != eps for norm in norms)
+            any(p is None for p in found)
+            or any(n.eps != eps or n.weight.dtype != dtype for n in layer_norms)
             or attn.o_proj.tp_size != 1
             or mlp.down_proj.tp_size != 1
         ):
             return None
-        qkv, o, gate_up, down = panels
-        weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight]
-        weights += [gate_up, down]
+        projections += [p for p in found if p is not None]
+        norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         biases += [linear.bias for linear in linears]
         qk_norms += (
             [None, None] if attn.q_norm is None else [attn.q_norm.weight, attn.k_norm.weight]
@@ -130,7 +157,20 @@ def build(model: DecoderModel) -> DecodeGraph | None:
                 attn.scale,
             )
         )
-    if len(shapes) != 1 or any(w.dtype != torch.float32 for w in weights):
+    if len(shapes) != 1:
         return None
     *shape, scale = shapes.pop()
-    return DecodeGraph(weights, biases, qk_norms, shape, windows, eps, scale, model.norm.weight)
+    return DecodeGraph(
+        norms=norms,
+        weights=[p[0] for p in projections],
+        scales=[p[1] for p in projections],
+        mins=[p[2] for p in projections],
+        biases=biases,
+        linears=[i for p in projections for i in p[3]],
+        qk_norms=qk_norms,
+        shape=shape,
+        windows=windows,
+        eps=eps,
+        scale=scale,
+        final_norm=model.norm.weight,
+    )

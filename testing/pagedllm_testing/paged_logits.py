@@ -104,6 +104,7 @@ class PagedRun:
     block_size: int
     num_blocks: int = 16
     seed: int = 2
+    cache_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         config = self.model.config
@@ -114,7 +115,8 @@ class PagedRun:
             config.head_dim,
         )
         self.kv_caches = [
-            (torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)
+            (torch.zeros(shape, dtype=self.cache_dtype), torch.zeros(shape, dtype=self.cache_dtype))
+            for _ in range(config.num_hidden_layers)
         ]
         generator = torch.Generator().manual_seed(self.seed)
         self.free_blocks = torch.randperm(self.num_blocks, generator=generator).tolist()
@@ -157,10 +159,13 @@ class PagedRun:
 
 
 def paged_run(
-    model: CausalLM, tokens: list[torch.Tensor], block_size: int
+    model: CausalLM,
+    tokens: list[torch.Tensor],
+    block_size: int,
+    cache_dtype: torch.dtype = torch.float32,
 ) -> tuple[list[torch.Tensor], PagedRun]:
     """Each sequence's logits over the schedule, and the run (its KV caches)."""
-    run = PagedRun(model, block_size)
+    run = PagedRun(model, block_size, cache_dtype=cache_dtype)
     sequences = [PagedSequence(t) for t in tokens]
     outputs: list[list[torch.Tensor]] = [[] for _ in tokens]
     for chunks in SCHEDULE:

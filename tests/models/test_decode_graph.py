@@ -38,7 +38,9 @@ DECODE_STEPS = sum(1 for chunks in SCHEDULE if all(n == 1 for n in chunks.values
 
 
 def run_schedule(model, tokens):
-    logits, run = paged_run(model, tokens, block_size=4)
+    """The engine keeps its KV cache in the activations' dtype (the norms')."""
+    dtype = model.model.norm.weight.dtype
+    logits, run = paged_run(model, tokens, block_size=4, cache_dtype=dtype)
     return logits, run.kv_caches
 
 
@@ -75,6 +77,30 @@ def test_the_graph_gives_the_eager_bits_on_every_architecture(tmp_path, case, gr
     assert_logits_match(logits, hf_logits(hf_model, tokens))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", ["llama-biases", "qwen3-qk-norm", "mistral-sliding-window"])
+def test_quantized_weights_run_through_the_graph_with_the_eager_bits(
+    tmp_path, case, dtype, graph_calls
+):
+    save_hf_model(tmp_path, CASES[case])
+    model, _ = load_model(tmp_path, dtype=dtype, quantization="int8")
+    assert all(
+        linear.quantized is not None
+        for layer in model.model.layers
+        for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj)
+    )
+    tokens = token_sequences()
+    eager_logits, eager_caches = run_schedule(model, tokens)
+    model.model.decode_graph = decode_graph.build(model.model)
+    assert model.model.decode_graph is not None
+    logits, caches = run_schedule(model, tokens)
+    assert len(graph_calls) == DECODE_STEPS
+    for ours, eager in zip(logits, eager_logits, strict=True):
+        assert torch.equal(ours, eager)
+    for (k, v), (k_eager, v_eager) in zip(caches, eager_caches, strict=True):
+        assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
+
+
 def test_models_the_graph_does_not_cover_run_eager(tmp_path, monkeypatch):
     save_hf_model(tmp_path, CASES["llama-gqa"])
     bf16, _ = load_model(tmp_path, dtype="bfloat16")
@@ -108,3 +134,24 @@ def test_enforce_eager_is_a_serve_flag():
             serve_args(parser.parse_args(["serve", *flags]), parser).engine.enforce_eager is eager
         )
     assert EngineConfig().enforce_eager is False
+
+
+def test_nothing_is_traced_or_compiled_at_any_batch_size_or_prompt_length(graph_calls):
+    """The graph takes every batch size as it comes: no trace per shape, no recompilation
+    (Dynamo's counters stay at zero), one call per decode step whatever its batch."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    llm = LLM(kv_cache_memory=16 * 2**20, max_num_seqs=8)
+    llm.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    sizes = set()
+    for batch, prompt_words in ((1, 3), (3, 40), (8, 7), (5, 120)):
+        before = len(graph_calls)
+        prompts = [" ".join(["word"] * (prompt_words + i)) for i in range(batch)]
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        outputs = llm.generate(prompts, params)
+        assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
+        assert len(graph_calls) > before
+        sizes.update(graph_calls[before:])
+    assert {1, 3, 8, 5} <= sizes
+    assert not counters["frames"] and not counters["stats"]
