@@ -13,6 +13,7 @@ import platform
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -353,6 +354,13 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     lo = int(k)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a server about to start."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:

@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -97,21 +96,7 @@ class Process:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        common.stop_process(self.popen, timeout=60)
 
 
 def launch(
@@ -124,7 +109,7 @@ def launch(
 ) -> Process:
     """``program argv`` on a free port (it takes ``--host``, ``--port`` and ``--log-level``),
     pinned to ``cores``."""
-    port = free_port()
+    port = common.free_port()
     log = workdir / f"{name}.log"
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
 

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 import httpx
 from common import (
     Target,
+    free_port,
     machine_info,
     new_figure,
     print_table,
@@ -46,12 +46,6 @@ MODEL = "pagedllm-demo"
 GROWTH_LIMIT = 0.05
 LATENCY_TARGET_S = 0.100
 LARGE_PROMPT_BYTES = 2 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_node(workdir: Path, port: int) -> tuple[subprocess.Popen, Path]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,15 +28,9 @@ TARGET_SECONDS = 30.0
 TIMEOUT = 600.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def time_to_health(cache: Path, model: str | None, threads: int, log: Path) -> float:
     """Seconds from starting ``pagedllm serve`` to its first 200 on ``/health``."""
-    port = free_port()
+    port = common.free_port()
     command = [str(Path(sys.executable).with_name("pagedllm")), "serve", "--port", str(port)]
     if model is not None:
         command += ["--model", model]
