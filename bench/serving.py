@@ -75,7 +75,7 @@ def setup_venv(venv: Path, lock: str, *without_dependencies: str) -> None:
     if not (venv / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "pip"), "install", "-q", "--require-hashes"]
-    # pip and torch's CPU build first, alone, from PyTorch's index; the rest from PyPI.
+    # The locked pip first, alone; it installs the rest.
     subprocess.run([*pip, "--no-deps", "-r", str(LOCK / "bootstrap.txt")], check=True)
     subprocess.run([*pip, "-r", str(LOCK / lock)], check=True)
     for name in without_dependencies:
