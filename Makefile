@@ -7,13 +7,14 @@ LOCK := requirements
 # lock is an error rather than a resolution.
 LOCKED := --require-hashes
 
-.PHONY: serve test test-latest e2e lint typecheck bench install install-test lock docs
+.PHONY: serve test test-latest e2e lint typecheck bench install install-test lock docs \
+	cluster cluster-down cluster-bin
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and \
 	    "make: the locked versions are for CPython 3.11; run make PYTHON=python3.11 ...")'
 	$(PYTHON) -m venv $(VENV)
-	# pip, then torch's CPU build alone from PyTorch's index; everything else comes from PyPI.
+	# The locked pip first, alone; it installs the rest (all from PyPI, torch's CUDA build too).
 	$(BIN)/pip install -q $(LOCKED) --no-deps -r $(LOCK)/bootstrap.txt
 
 $(VENV)/.installed: $(BIN)/python $(LOCK)/cpu.txt
@@ -35,14 +36,28 @@ install-test: $(VENV)/.installed-test
 serve: install
 	$(BIN)/pagedllm serve $(ARGS)
 
-test: install-test lint typecheck
+test: install-test lint typecheck cluster-bin
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || echo "make test:" \
 	    "no Chromium browser or chromedriver found, so the block map's browser test" \
 	    "(tests/serve/test_serve_kv_page.py) is skipped; apt-get install chromium chromium-driver"
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
-e2e: install-test
+e2e: install-test cluster-bin
 	$(BIN)/pytest -q e2e $(PYTEST_ARGS)
+
+# The control plane's binary (e2e/cluster: etcd, kube-apiserver, kube-controller-manager,
+# kube-scheduler, kubectl from Kubernetes' Go modules) in .cluster/bin, built when its sources
+# changed. Needs only Go and CPython, so `make -j2 test` builds it beside the venv's install.
+cluster-bin:
+	PYTHONPATH=testing $(PYTHON) -P -m pagedllm_testing.cluster.binary
+
+# A real control plane on this machine (root: its network is a bridge of its own); prints
+# KUBECONFIG=.cluster/kubeconfig. `make cluster-down` stops it and removes its network.
+cluster: install-test cluster-bin
+	$(BIN)/python -P -m pagedllm_testing.cluster up
+
+cluster-down: install-test
+	$(BIN)/python -P -m pagedllm_testing.cluster down
 
 lint: install-test
 	$(BIN)/ruff format --check .

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Any
 
@@ -43,7 +44,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.peering.standalone = True
     # Every /metrics read at INFO would drown the operator's own log lines.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    settings.watching.server_timeout = config.watch_timeout_seconds
+    # The apiserver reads timeoutSeconds as whole seconds: "300.0" is a 400 Bad Request.
+    settings.watching.server_timeout = max(1, math.ceil(config.watch_timeout_seconds))
     settings.watching.client_timeout = config.watch_timeout_seconds + 30
     settings.execution.default_backoff = config.backoff_seconds
     memo.ctx = OperatorContext(config=config, kube=KubeClient(lambda: _login(settings)))

@@ -24,7 +24,7 @@ from pagedllm.operator.children import (
 )
 from pagedllm.operator.config import OperatorConfig
 from pagedllm.operator.drift import first_difference, stamped
-from pagedllm.operator.kube import KubeClient, now_rfc3339
+from pagedllm.operator.kube import ApiError, KubeClient, now_rfc3339
 from pagedllm.operator.live import FreshReads, Live, Snapshot
 from pagedllm.operator.pod_metrics import (
     is_ready,
@@ -303,8 +303,11 @@ async def _reconcile(
         await _check_references(ctx.kube, owner, spec)
         replicas = effective_replicas(spec)
         await _apply_children(ctx, owner, spec, replicas, live, quiet)
-    except InvalidSpec as error:
-        if quiet:
+    except (InvalidSpec, ApiError) as error:
+        # A write RBAC forbids is recorded like a spec that cannot be served (Degraded, a
+        # Warning Event), so a ClusterRole missing a verb is seen, not a silent stall.
+        forbidden = isinstance(error, ApiError) and error.status == 403
+        if quiet or not (isinstance(error, InvalidSpec) or forbidden):
             raise
         status = compute_status(
             generation=generation,
@@ -315,6 +318,7 @@ async def _reconcile(
             previous=body.get("status") or {},
             now=now_rfc3339(),
             spec_error=str(error),
+            error_reason="Forbidden" if forbidden else "InvalidSpec",
         )
         await _write_status(ctx, body, status)
         raise

@@ -157,13 +157,17 @@ def waiting_for_capacity(unschedulable: Sequence[PodProblem]) -> Condition:
     )
 
 
-def conditions_for(desired: int, observed: Observed, spec_error: str | None) -> list[Condition]:
+def conditions_for(
+    desired: int, observed: Observed, spec_error: str | None, error_reason: str = "InvalidSpec"
+) -> list[Condition]:
+    """`spec_error`: why the children could not be written (`error_reason`: InvalidSpec for a
+    spec that cannot be served, Forbidden for a write the operator's RBAC does not allow)."""
     if spec_error is not None:
         return [
-            Condition(READY, False, "InvalidSpec", spec_error),
-            Condition(PROGRESSING, False, "InvalidSpec", spec_error),
-            Condition(DEGRADED, True, "InvalidSpec", spec_error),
-            Condition(ROUTER, False, "InvalidSpec", spec_error),
+            Condition(READY, False, error_reason, spec_error),
+            Condition(PROGRESSING, False, error_reason, spec_error),
+            Condition(DEGRADED, True, error_reason, spec_error),
+            Condition(ROUTER, False, error_reason, spec_error),
         ]
     deployment = observed.deployment or {}
     counts = deployment.get("status") or {}
@@ -269,11 +273,12 @@ def compute_status(
     previous: Mapping[str, Any],
     now: str,
     spec_error: str | None = None,
+    error_reason: str = "InvalidSpec",
     adapters: Sequence[str] = (),
 ) -> dict[str, Any]:
     """`adapters`: the names of spec.adapters."""
     counts = (observed.deployment or {}).get("status") or {}
-    conditions = conditions_for(desired, observed, spec_error)
+    conditions = conditions_for(desired, observed, spec_error, error_reason)
     return {
         "adapters": adapters_status(adapters, observed.served_adapters),
         "observedGeneration": generation,

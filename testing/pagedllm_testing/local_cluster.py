@@ -31,6 +31,7 @@ import yaml
 
 from pagedllm.kernels import cpu_extension
 from pagedllm.operator.kube import KubeClient, now_rfc3339
+from pagedllm_testing.cluster import binary
 from pagedllm_testing.cluster_autoscaler_standin import ClusterAutoscalerStandin, NodeGroup, Timers
 from pagedllm_testing.deployment_standin import DeploymentStandin
 from pagedllm_testing.emulator.requests import REQUESTS_PATH
@@ -328,10 +329,8 @@ class LocalCluster:
 
     def kubectl(self, *args: str, timeout: float = 60, check: bool = True) -> str:
         """kubectl with the emulator's kubeconfig (its context's namespace is `default`)."""
-        kubectl = shutil.which("kubectl")
-        assert kubectl is not None, "kubectl is not on PATH"
         result = subprocess.run(
-            [kubectl, *args],
+            [binary.kubectl(), *args],
             text=True,
             capture_output=True,
             timeout=timeout,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from pagedllm.router.discovery import (
 )
 
 # Re-exported for the fixtures (explicit `as` marks the re-export).
+from pagedllm_testing.cluster import binary
 from pagedllm_testing.emulator import EmulatorThread as EmulatorThread
 from pagedllm_testing.emulator import kubeconfig_text as kubeconfig_text
 from pagedllm_testing.polling import eventually as _eventually
@@ -45,17 +45,13 @@ OPERATOR_ENV = {
 }
 
 
-KUBECTL = shutil.which("kubectl")
-
 Kubectl = Callable[..., subprocess.CompletedProcess[str]]
 
 
 def kubectl_for(kubeconfig: Path, namespace: str) -> Kubectl:
-    """The real kubectl on the PATH, against the cluster of `kubeconfig`, in `namespace`;
-    a failing command fails the test unless called with check=False."""
-    if KUBECTL is None:
-        raise AssertionError("kubectl is not on PATH; this suite needs the real kubectl")
-    kubectl = KUBECTL
+    """The built kubectl, against the cluster of `kubeconfig`, in `namespace`; a failing
+    command fails the test unless called with check=False."""
+    kubectl = binary.kubectl()
 
     def run(
         *args: str, check: bool = True, stdin: str | None = None

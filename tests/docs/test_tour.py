@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pagedllm_testing.cluster import binary
 from pagedllm_testing.docs_site import DOCS, README, REPO, Block, blocks
 from pagedllm_testing.serve_harness import free_port
 
@@ -59,7 +60,13 @@ def test_the_tour_runs_as_written(tmp_path: Path) -> None:
     path.write_text(script(tmp_path))
     log_path = tmp_path / "tour.log"
     bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "TMPDIR": str(tmp_path)}
+    # The venv's commands and the built kubectl first.
+    kubectl_dir = str(Path(binary.kubectl()).parent)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{kubectl_dir}:{os.environ['PATH']}",
+        "TMPDIR": str(tmp_path),
+    }
     env.pop("KUBECONFIG", None)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from typing import Any
 
@@ -18,6 +17,7 @@ from pagedllm.operator.children import (
 )
 from pagedllm.operator.live import CHILD_KINDS, SERVICE_MONITOR_KIND
 from pagedllm.operator.spec import parse_spec
+from pagedllm_testing.cluster import binary
 from pagedllm_testing.operator_harness import REPO
 
 # Every call the operator and kopf make, as (apiGroup, resource, verb).
@@ -76,11 +76,11 @@ def children_calls() -> set[tuple[str, str, str]]:
 
 @pytest.fixture(scope="module")
 def rendered() -> list[dict[str, Any]]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.fail("kubectl is not on PATH; this suite needs kubectl's kustomize")
     result = subprocess.run(
-        [kubectl, "kustomize", str(REPO / "manifests")], text=True, capture_output=True, timeout=60
+        [binary.kubectl(), "kustomize", str(REPO / "manifests")],
+        text=True,
+        capture_output=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     return [d for d in yaml.safe_load_all(result.stdout) if d]
@@ -179,7 +179,7 @@ def test_operator_deployment(rendered: list[dict[str, Any]]) -> None:
 
 def test_samples_render_as_a_kustomization() -> None:
     result = subprocess.run(
-        ["kubectl", "kustomize", str(REPO / "manifests" / "samples")],
+        [binary.kubectl(), "kustomize", str(REPO / "manifests" / "samples")],
         text=True,
         capture_output=True,
         timeout=60,
@@ -195,7 +195,9 @@ def test_dockerfile_builds_from_the_repository_root() -> None:
         assert path in dockerfile
         assert (REPO / path).exists()
     assert "ARG TORCH_VARIANT=cpu" in dockerfile
-    # Both variants install from their lock, hashes checked.
-    for variant in ("cpu", "cuda"):
-        assert (REPO / "requirements" / f"{variant}.txt").exists()
-    assert 'pip install --require-hashes -r "requirements/${TORCH_VARIANT}.txt"' in dockerfile
+    # Both variants install from their lock, hashes checked: the CPU image torch's CPU build
+    # and the serve set without the CUDA libraries, the CUDA image the CUDA set.
+    for lock in ("bootstrap.txt", "image-torch-cpu.txt", "image-cpu.txt", "cuda.txt"):
+        assert (REPO / "requirements" / lock).exists()
+        assert "pip install --require-hashes" in dockerfile
+        assert f"-r requirements/{lock}" in dockerfile

@@ -25,6 +25,7 @@ from pagedllm.router.metrics import UPSTREAM_ERROR_KINDS
 from pagedllm.router.policy import Reason
 from pagedllm.serve.metrics import FINISH_REASONS
 from pagedllm.serve.metrics import REJECTION_REASONS as NODE_REJECTIONS
+from pagedllm_testing.cluster import binary
 from pagedllm_testing.router_harness import ready_backends, wait_for
 from pagedllm_testing.serve_harness import DEMO_MODEL, Server
 
@@ -128,7 +129,7 @@ def test_the_walker_finds_every_selector() -> None:
 
 def test_the_kustomize_base_ships_the_dashboard_for_grafanas_sidecar() -> None:
     rendered = subprocess.run(
-        ["kubectl", "kustomize", str(REPO / "manifests")],
+        [binary.kubectl(), "kustomize", str(REPO / "manifests")],
         text=True,
         capture_output=True,
         timeout=60,

@@ -1,0 +1,38 @@
+"""The pytest plugin of the real control plane: one cluster per test session, as envtest
+starts one, shared by every test that asks for it (tests/conftest.py and e2e/ load it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from pagedllm_testing.cluster.control_plane import ControlPlane
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    cluster = ControlPlane(tmp_path_factory.mktemp("cluster"))
+    try:
+        cluster.up()
+        yield cluster
+    finally:
+        cluster.down()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used the cluster shows the tail of each component's log, and of the
+    operator's where the test ran one (an `operator` fixture with a `log()`)."""
+    outcome = yield
+    report = outcome.get_result()
+    funcargs = getattr(item, "funcargs", {})
+    if not report.failed:
+        return
+    operator = funcargs.get("operator")
+    if operator is not None and hasattr(operator, "log"):
+        report.sections.append(("operator log (tail)", operator.log()[-6000:]))
+    cluster = next((v for v in funcargs.values() if isinstance(v, ControlPlane)), None)
+    if cluster is not None and cluster.state is not None:
+        for name in ("kube-apiserver", "kube-controller-manager"):
+            report.sections.append((f"{name} log (tail)", cluster.log_tail(name, 15)))
