@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -141,14 +143,50 @@ def test_a_component_stops_and_starts_alone(control_plane: ControlPlane) -> None
     assert "default" in control_plane.kubectl("get", "ns").stdout
 
 
-def test_down_leaves_no_process_and_no_bridge(tmp_path: Path) -> None:
-    cluster = ControlPlane(tmp_path / "cluster")
-    cluster.up()
+def running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def cluster_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """What `make cluster` and `make cluster-down` run."""
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "pagedllm_testing.cluster", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_make_cluster_prints_a_kubeconfig_and_down_leaves_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "cluster"
+    up = cluster_cli("up", "--root", str(root))
+    assert up.returncode == 0, up.stderr
+    (line,) = [x for x in up.stdout.splitlines() if x.startswith("KUBECONFIG=")]
+    kubeconfig = line.removeprefix("KUBECONFIG=")
+    assert Path(kubeconfig) == root / "kubeconfig"
+    version = subprocess.run(
+        [binary.kubectl(), "version", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KUBECONFIG": kubeconfig},
+    )
+    assert json.loads(version.stdout)["serverVersion"]["gitVersion"] == binary.kubernetes_version()
+    status = cluster_cli("status", "--root", str(root))
+    assert status.stdout.count(": running") == 4, status.stdout
+
+    # Another process stops it, from the state file alone.
+    cluster = ControlPlane(root)
     state = cluster._state()
-    pids = list(state.pids.values())
-    bridge = network.Bridge(state.bridge)
-    assert len(pids) == 4 and network.bridge_exists(bridge)
-    cluster.down()
-    assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []
+    pids, bridge = list(state.pids.values()), network.Bridge(state.bridge)
+    assert network.bridge_exists(bridge)
+    down = cluster_cli("down", "--root", str(root))
+    assert down.returncode == 0, down.stderr
+    # Gone, or at most a zombie until init (their parent since `up` exited) reaps it.
+    eventually(lambda: not [pid for pid in pids if running(pid)], what="no component left")
     assert not network.bridge_exists(bridge)
-    assert not cluster.layout.state.exists()
+    assert cluster_cli("status", "--root", str(root)).returncode == 1
