@@ -16,7 +16,12 @@ import httpx
 import pytest
 
 from pagedllm_testing.cluster import binary, network
-from pagedllm_testing.cluster.control_plane import ADMIN_USER, ControlPlane, kubeconfig_text
+from pagedllm_testing.cluster.control_plane import (
+    ADMIN_USER,
+    ControlPlane,
+    is_running,
+    kubeconfig_text,
+)
 from pagedllm_testing.polling import eventually
 
 
@@ -143,14 +148,6 @@ def test_a_component_stops_and_starts_alone(control_plane: ControlPlane) -> None
     assert "default" in control_plane.kubectl("get", "ns").stdout
 
 
-def running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def cluster_cli(*args: str) -> subprocess.CompletedProcess[str]:
     """What `make cluster` and `make cluster-down` run."""
     return subprocess.run(
@@ -187,6 +184,6 @@ def test_make_cluster_prints_a_kubeconfig_and_down_leaves_nothing(tmp_path: Path
     down = cluster_cli("down", "--root", str(root))
     assert down.returncode == 0, down.stderr
     # Gone, or at most a zombie until init (their parent since `up` exited) reaps it.
-    eventually(lambda: not [pid for pid in pids if running(pid)], what="no component left")
+    eventually(lambda: not [pid for pid in pids if is_running(pid)], what="no component left")
     assert not network.bridge_exists(bridge)
     assert cluster_cli("status", "--root", str(root)).returncode == 1

@@ -401,7 +401,7 @@ class ControlPlane:
 
     def running(self, name: str) -> bool:
         pid = self._state().pids.get(name)
-        return pid is not None and _alive(pid)
+        return pid is not None and is_running(pid)
 
     def stop(self, name: str, grace: float = 10.0) -> None:
         pid = self._state().pids.pop(name, None)
@@ -470,7 +470,8 @@ class ControlPlane:
         return [json.loads(line) for line in self.layout.audit_log.read_text().splitlines() if line]
 
 
-def _alive(pid: int) -> bool:
+def is_running(pid: int) -> bool:
+    """Whether process `pid` exists and is no zombie (ours is reaped on the way)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -500,6 +501,6 @@ def _end_group(pgid: int, grace: float) -> None:
             return
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            if not _alive(pgid):
+            if not is_running(pgid):
                 return
             time.sleep(0.1)
