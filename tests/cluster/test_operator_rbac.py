@@ -1,8 +1,8 @@
 """The real operator against the real apiserver, logged in as its own ServiceAccount with the
 RBAC of manifests/ (a token from the TokenRequest API, as a kubelet mounts it): it reconciles a
-PagedLLM into its children, every request it makes is attributed to the ServiceAccount in the
-audit log, and a verb taken from its ClusterRole surfaces as an Event on the PagedLLM instead of
-a silent stall."""
+PagedLLM into its children, which the garbage collector removes with it; every request it makes
+is attributed to the ServiceAccount in the audit log; and a verb taken from its ClusterRole
+surfaces as a condition and an Event on the PagedLLM instead of a silent stall."""
 
 from __future__ import annotations
 
@@ -129,6 +129,18 @@ def test_the_operator_reconciles_as_its_service_account(
         if e["verb"] == "patch" and e.get("objectRef", {}).get("namespace") == namespace
     ]
     assert {e["objectRef"]["resource"] for e in applied} >= {"deployments", "services"}
+
+    # Deleting the PagedLLM leaves nothing: the real garbage collector follows the owner
+    # references to every child, and from the Deployments to their ReplicaSets and pods.
+    installed.kubectl("-n", namespace, "delete", "pllm/demo", "--wait=true", "--timeout=60s")
+
+    def left() -> list[str]:
+        kinds = "deployments,replicasets,pods,services,poddisruptionbudgets,configmaps"
+        listed = installed.kubectl("-n", namespace, "get", kinds, "-o", "name").stdout.split()
+        # Every namespace has the cluster's root CA, published by kube-controller-manager.
+        return [name for name in listed if name != "configmap/kube-root-ca.crt"]
+
+    eventually(lambda: left() == [], timeout=60, what="no child and no pod left")
 
 
 def test_a_verb_taken_from_the_operator_surfaces_as_an_event(
