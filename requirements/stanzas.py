@@ -20,23 +20,6 @@ import tempfile
 from pathlib import Path
 
 
-def stanzas(lock: Path, names: list[str]) -> str:
-    """Each ``name==version \\`` line with its ``--hash`` continuation lines."""
-    wanted = {n.lower() for n in names}
-    out, keep = [], False
-    for line in lock.read_text().splitlines():
-        if line and not line[0].isspace():  # a requirement or a comment starts a stanza
-            keep = re.split(r"[=<>!~ ;#]", line, maxsplit=1)[0].lower() in wanted
-            if keep:
-                out.append(line)
-        elif keep and line.lstrip().startswith("--hash"):
-            out.append(line)
-    found = {re.split(r"==", s, maxsplit=1)[0].lower() for s in out if not s[0].isspace()}
-    if found != wanted:
-        sys.exit(f"stanzas.py: {sorted(wanted - found)} not in {lock}")
-    return "\n".join(out) + "\n"
-
-
 def _blocks(lock: Path) -> list[tuple[str, list[str], set[str]]]:
     """Each stanza of a pip-compile output: (name, its requirement and hash lines, the names
     it is required by: its ``# via`` lines, constraint files left out)."""
@@ -49,6 +32,16 @@ def _blocks(lock: Path) -> list[tuple[str, list[str], set[str]]]:
         elif blocks and line.startswith("    #   ") and not line.lstrip("# ").startswith("-"):
             blocks[-1][2].add(re.split(r"[ \[(]", line.lstrip("# "), maxsplit=1)[0].lower())
     return blocks
+
+
+def stanzas(lock: Path, names: list[str]) -> str:
+    """Each ``name==version \\`` line with its ``--hash`` continuation lines."""
+    wanted = {n.lower() for n in names}
+    kept = [(name, lines) for name, lines, _ in _blocks(lock) if name in wanted]
+    missing = wanted - {name for name, _ in kept}
+    if missing:
+        sys.exit(f"stanzas.py: {sorted(missing)} not in {lock}")
+    return "".join("\n".join(lines) + "\n" for _, lines in kept)
 
 
 def without_cuda(lock: Path) -> str:

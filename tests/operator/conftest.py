@@ -68,12 +68,3 @@ def namespace(kube: Kube) -> str:
 @pytest.fixture
 def kubectl(kubeconfig: Path, namespace: str) -> Kubectl:
     return kubectl_for(kubeconfig, namespace)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()
-    if report.failed and "operator_process" in getattr(item, "funcargs", {}):
-        log = item.funcargs["operator_process"].log()
-        report.sections.append(("operator log (tail)", log[-6000:]))

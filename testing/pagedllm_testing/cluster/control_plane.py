@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -27,6 +26,7 @@ import httpx
 import yaml
 
 from pagedllm_testing.cluster import binary, network, pki
+from pagedllm_testing.serve_harness import free_port
 
 LOOPBACK = "127.0.0.1"
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
@@ -54,12 +54,6 @@ CONTROLLER_MANAGER_TIMERS = (
 
 class ControlPlaneError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        return int(probe.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -279,12 +273,6 @@ class ControlPlane:
             context.load_cert_chain(str(client.cert), str(client.key))
         return context
 
-    def http(self, timeout: float = 30.0) -> httpx.Client:
-        """An httpx client for the apiserver, as the admin user."""
-        return httpx.Client(
-            base_url=self.server, verify=self.ssl_context(self.admin), timeout=timeout
-        )
-
     def kubectl_env(self) -> dict[str, str]:
         """The environment to run the built kubectl in as the admin user."""
         path = f"{self.layout.bin}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -425,11 +413,9 @@ class ControlPlane:
         ports = self._state().ports
         if name == "etcd":
             return f"http://{LOOPBACK}:{ports['etcd-metrics']}/health"
-        return (
-            f"https://{LOOPBACK}:{ports[name]}/healthz"
-            if name != "kube-apiserver"
-            else (f"{self.server}/readyz")
-        )
+        if name == "kube-apiserver":
+            return f"{self.server}/readyz"
+        return f"https://{LOOPBACK}:{ports[name]}/healthz"
 
     def _wait_ready(self, name: str, timeout: float) -> None:
         url = self._health_url(name)

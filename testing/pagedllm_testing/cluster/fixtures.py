@@ -22,16 +22,18 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """A failed test that used the cluster shows the tail of each component's log, and of the
-    operator's where the test ran one (an `operator` fixture with a `log()`)."""
+    """A failed test shows the tail of the operator's log where it ran one (an `operator` or
+    `operator_process` fixture with a `log()`), and of the cluster's components where it used
+    the cluster."""
     outcome = yield
     report = outcome.get_result()
     funcargs = getattr(item, "funcargs", {})
     if not report.failed:
         return
-    operator = funcargs.get("operator")
-    if operator is not None and hasattr(operator, "log"):
-        report.sections.append(("operator log (tail)", operator.log()[-6000:]))
+    for fixture in ("operator", "operator_process"):
+        operator = funcargs.get(fixture)
+        if operator is not None and hasattr(operator, "log"):
+            report.sections.append(("operator log (tail)", operator.log()[-6000:]))
     cluster = next((v for v in funcargs.values() if isinstance(v, ControlPlane)), None)
     if cluster is not None and cluster.state is not None:
         for name in ("kube-apiserver", "kube-controller-manager"):
