@@ -1,8 +1,9 @@
-"""LoRA adapters on the local cluster (local_cluster.py), end to end: apply a PagedLLM with
-two adapters and call each through its Service (the router in front of the serving pod) with
-the openai SDK; add a third to the spec and call it with no pod restarted or replaced (the
-pods' ConfigMap volume changes, not their template); scale to two and call the third adapter
-on the new pod itself. The status counts the pods serving each adapter all along."""
+"""LoRA adapters on the local cluster (local_cluster.py: the real control plane), end to end:
+apply a PagedLLM with two adapters and call each through its Service (the router in front of
+the serving pod) with the openai SDK; add a third to the spec and call it with no pod restarted
+or replaced (the pods' ConfigMap volume changes, not their template); scale to two and call the
+third adapter on the new pod itself. The status counts the pods serving each adapter all
+along."""
 
 from __future__ import annotations
 
@@ -16,9 +17,14 @@ import pytest
 import yaml
 
 from pagedllm_testing.client_checks import client as openai_client
-from pagedllm_testing.deployment_standin import is_pod_ready
-from pagedllm_testing.kubelet_standin import local_url
-from pagedllm_testing.local_cluster import NAMESPACE, REPO, LocalCluster, eventually
+from pagedllm_testing.local_cluster import (
+    NAMESPACE,
+    REPO,
+    ClusterShape,
+    LocalCluster,
+    eventually,
+    is_pod_ready,
+)
 from pagedllm_testing.lora_adapters import demo_adapter
 
 NAME = "tuned"
@@ -75,8 +81,9 @@ def answer_model(base_url: str, model: str) -> str:
 @pytest.mark.timeout(300)
 def test_adapters_reach_running_and_new_pods(tmp_path_factory: pytest.TempPathFactory) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="pllm-lora-"))  # short: the node's unix sockets
-    cluster = LocalCluster(workdir)
-    # The host's files are the image's (kubelet stand-in): adapters at absolute paths.
+    # One node is enough: one serving pod, then two (no GPU asked), and a router.
+    cluster = LocalCluster(workdir, ClusterShape(gpu_nodes=0))
+    # The host's files are the image's (process kubelet): adapters at absolute paths.
     made = tmp_path_factory.mktemp("adapters")
     adapters = [
         {"name": "sql", "uri": str(demo_adapter(made / "sql", 0)), "preload": True},
@@ -85,7 +92,7 @@ def test_adapters_reach_running_and_new_pods(tmp_path_factory: pytest.TempPathFa
     ]
     manifest = workdir / "tuned.yaml"
     try:
-        cluster.start_api_server()
+        cluster.start()
         cluster.kubectl("apply", "-k", str(REPO / "manifests"))
         cluster.kubectl(
             "wait", "--for=condition=Established", "crd/pagedllms.pagedllm.io", "--timeout=30s"
@@ -135,7 +142,7 @@ def test_adapters_reach_running_and_new_pods(tmp_path_factory: pytest.TempPathFa
         (new,) = [
             p for p in serving_pods(cluster) if p["metadata"]["uid"] != first["metadata"]["uid"]
         ]
-        assert answer_model(local_url(new) + "/v1", "legal") == "legal"
+        assert answer_model(cluster.local_url(new) + "/v1", "legal") == "legal"
         eventually(
             lambda: loaded(cluster, {"sql": 2, "poet": 2, "legal": 2}),
             timeout=30,

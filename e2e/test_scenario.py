@@ -1,14 +1,17 @@
-"""The user's whole journey, end to end, on the local cluster (local_cluster.py): apply the
-operator's manifests and a PagedLLM with kubectl, wait for it, use it through its Service (the
-prefix-aware routers in front of the serving pods) with the openai SDK, scale it, roll out a
-new engine setting while a client streams, kill a router under load, outgrow the cluster's GPU
-nodes (pods wait for the cluster autoscaler stand-in's node) and shrink them again (a node
-drained under the PodDisruptionBudget), let it autoscale on queue depth, delete it. Every
-step prints its duration; a failure prints the objects, the operator's log and the pods' logs.
+"""The user's whole journey, end to end, on the local cluster (local_cluster.py: the real
+control plane, process kubelets): apply the operator's manifests (the operator runs as a pod
+with its own ServiceAccount) and a PagedLLM with kubectl, wait for it, use it through its
+Service (the prefix-aware routers in front of the serving pods) with the openai SDK and through
+the apiserver's service proxy, scale it, roll out a new engine setting while a client streams,
+kill a router under load, outgrow the cluster's GPU nodes (pods wait for the cluster autoscaler
+stand-in's node) and shrink them again (a node drained through the Eviction API under the
+PodDisruptionBudget), let it autoscale on queue depth, delete it. Every step prints its
+duration; a failure prints the objects, the components' and the pods' logs.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import shutil
@@ -26,22 +29,28 @@ import yaml
 
 from pagedllm.operator.autoscaler import parse_prometheus_value
 from pagedllm.operator.kube import FIELD_MANAGER
+from pagedllm.router.discovery import USER_AGENT as ROUTER_AGENT
 from pagedllm_testing.client_checks import MAX_TOKENS, KeepStreaming, Load, StreamStats, run_checks
 from pagedllm_testing.client_checks import client as openai_client
-from pagedllm_testing.cluster_autoscaler_standin import ClusterAutoscalerStandin, NodeGroup, Timers
-from pagedllm_testing.deployment_standin import POD_TEMPLATE_HASH, is_pod_ready, is_terminating
-from pagedllm_testing.emulator.requests import MUTATING_METHODS
+from pagedllm_testing.cluster_autoscaler_standin import (
+    ClusterAutoscalerStandin,
+    NodeGroup,
+    Timers,
+    is_terminating,
+    node_gpus,
+)
 from pagedllm_testing.gitops_standin import GitOpsStandin
-from pagedllm_testing.kubelet_standin import local_url
 from pagedllm_testing.local_cluster import (
     FAST_OPERATOR_ENV,
     GPU_GROUP,
     NAMESPACE,
+    OPERATOR,
+    OPERATOR_NAMESPACE,
     REPO,
     LocalCluster,
     eventually,
+    is_pod_ready,
 )
-from pagedllm_testing.scheduler_standin import node_gpus
 
 SCENARIO = REPO / "e2e" / "demo-pagedllm.yaml"
 NAME = "demo"
@@ -83,6 +92,11 @@ NODE_TIMERS = Timers(scale_up_delay=4, scale_down_delay=2, eviction_retry=1)
 # Short prompts (under one KV block) that are cached nowhere: the router places each by a
 # hash of its tokens, which spreads distinct prompts over the pods.
 SPREAD_PROMPTS = 24
+POD_TEMPLATE_HASH = "pod-template-hash"
+# The audit log's verbs that change something.
+MUTATING_VERBS = ("create", "update", "patch", "delete", "deletecollection")
+OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR}"
+ROUTER_USER = f"system:serviceaccount:{NAMESPACE}:{NAME}-router"
 
 
 class Steps:
@@ -142,8 +156,13 @@ def condition(body: dict[str, Any], kind: str) -> dict[str, Any]:
     )
 
 
+def local_url(pod: dict[str, Any], port: int = 8000) -> str:
+    """A pod's port at its address on the cluster's bridge."""
+    return f"http://{pod['status']['podIP']}:{port}"
+
+
 def pod_metric(pod: dict[str, Any], name: str) -> float:
-    """A metric from the pod's own /metrics (its loopback port)."""
+    """A metric from the pod's own /metrics (at its address)."""
     text = httpx.get(f"{local_url(pod)}/metrics", timeout=5, trust_env=False).text
     return parse_prometheus_value(text, name) or 0.0
 
@@ -169,9 +188,9 @@ def ready_with(cluster: LocalCluster, replicas: int) -> dict[str, Any] | None:
     return None
 
 
-# The scenario takes five to seven minutes on two shared cores; a hung step fails well before
+# The scenario takes about seven minutes on two shared cores; a hung step fails well before
 # the suite's own limit, still printing what explains it.
-@pytest.mark.timeout(720)
+@pytest.mark.timeout(780)
 def test_user_journey(capsys: pytest.CaptureFixture[str]) -> None:
     # Short: the node's unix sockets live under the pods' directories.
     workdir = Path(tempfile.mkdtemp(prefix="pllm-e2e-"))
@@ -194,10 +213,10 @@ def test_user_journey(capsys: pytest.CaptureFixture[str]) -> None:
 
 def journey(cluster: LocalCluster, steps: Steps) -> None:
     with steps(
-        "start the API emulator and the scheduler, kubelet, Deployment, Service, "
-        "EndpointSlice stand-ins"
+        "start the control plane (etcd, kube-apiserver, kube-controller-manager, "
+        f"kube-scheduler) and {1 + cluster.shape.gpu_nodes} process kubelets, Nodes Ready"
     ):
-        cluster.start_api_server()
+        cluster.start()
 
     with steps("kubectl apply -k manifests/ (namespace, CRD, RBAC, operator Deployment)"):
         cluster.kubectl("apply", "-k", str(REPO / "manifests"))
@@ -205,11 +224,13 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
             "wait", "--for=condition=Established", "crd/pagedllms.pagedllm.io", "--timeout=30s"
         )
 
-    with steps("run the operator as manifests/operator.yaml runs it (short timers)"):
+    with steps("the operator pod, with short timers (kubectl set env), rolled out and ready"):
         cluster.start_operator()
 
-    with steps(f"kubectl apply a PagedLLM: demo model, 2 replicas, {ROUTERS} routers"):
-        cluster.kubectl("apply", "-f", str(SCENARIO))
+    with steps(f"kubectl apply a PagedLLM: demo model, 2 replicas, {ROUTERS} routers, 1 GPU a pod"):
+        manifest = cluster.workdir / "demo-pagedllm.yaml"
+        manifest.write_text(yaml.safe_dump(scenario_manifest()))
+        cluster.kubectl("apply", "-f", str(manifest))
 
     with steps("kubectl wait --for=condition=Ready pllm/demo"):
         cluster.kubectl(
@@ -221,7 +242,8 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         eventually(lambda: ready_with(cluster, 2), timeout=30, what="2 serving pods")
         everything = cluster.list(PODS, INSTANCE_SELECTOR)
         assert len(everything) == 2 + ROUTERS
-        assert set(cluster.pod_processes()) == {p["metadata"]["name"] for p in everything}
+        running = set(cluster.pod_processes()) - operator_pods(cluster)
+        assert running == {p["metadata"]["name"] for p in everything}
         steps.say(cluster.kubectl("get", "pllm,deploy,pods,svc", "-o", "wide"))
         eventually(
             lambda: routers_follow_the_pods(cluster), timeout=30, what="routers to see the pods"
@@ -239,6 +261,9 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
     base_url = cluster.service_url(NAME) + "/v1"
     with steps("completions and chat, streaming and not, through the Service (the routers)"):
         run_checks(base_url, MODEL, log=steps.say)
+
+    with steps("a completion through the apiserver's service proxy (services/demo:http/proxy)"):
+        through_the_apiserver(cluster, steps)
 
     with steps("kubectl scale pllm/demo --replicas=3; three ready pods serve"):
         cluster.kubectl("scale", f"pllm/{NAME}", "--replicas=3")
@@ -258,7 +283,7 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
 
     with steps(
         f"at steady state, over {QUIET_RESYNCS} resyncs: no mutating request by the operator "
-        "(counted at the emulator)"
+        "(the apiserver's audit log)"
     ):
         operator_is_quiet(cluster, steps)
 
@@ -276,7 +301,7 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
     # Argo CD or Flux re-applying the repository's manifest all through the cluster's and the
     # PagedLLM's autoscaling.
     gitops_runs: list[GitOpsStandin] = []
-    with GitOpsStandin(cluster.server, NAMESPACE, repository_manifest(autoscaling=False)) as gitops:
+    with gitops_standin(cluster, autoscaling=False) as gitops:
         gitops_runs.append(gitops)
         finite_capacity(cluster, base_url, steps)
 
@@ -314,8 +339,13 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
             what="the PagedLLM's children to be gone",
         )
         eventually(
-            lambda: not cluster.pod_processes(), timeout=30, what="every pod process to exit"
+            lambda: set(cluster.pod_processes()) <= operator_pods(cluster),
+            timeout=30,
+            what="every pod process but the operator's to exit",
         )
+
+    with steps("the audit log: the operator's and the routers' requests, all as their accounts"):
+        requests_by_service_accounts(cluster, steps)
 
 
 def operator_autoscaling(cluster: LocalCluster, base_url: str, steps: Steps) -> GitOpsStandin:
@@ -324,9 +354,7 @@ def operator_autoscaling(cluster: LocalCluster, base_url: str, steps: Steps) -> 
     with ExitStack() as during_autoscaling:
         with steps("autoscaling (min 0, max 3, waitingRequests): idle, it scales to zero"):
             patch_spec(cluster, {"autoscaling": AUTOSCALING})
-            gitops = during_autoscaling.enter_context(
-                GitOpsStandin(cluster.server, NAMESPACE, repository_manifest())
-            )
+            gitops = during_autoscaling.enter_context(gitops_standin(cluster))
             eventually(lambda: scaled_to_zero(cluster), timeout=90, what="zero replicas")
             steps.say(f"   {latest_event(cluster, 'ScaledDown')}")
 
@@ -359,17 +387,77 @@ def operator_autoscaling(cluster: LocalCluster, base_url: str, steps: Steps) -> 
     return gitops
 
 
+def scenario_manifest() -> dict[str, Any]:
+    """The scenario's PagedLLM asking one GPU a serving pod, as on a GPU cluster (the process
+    kubelet's GPU nodes run them on the CPU): the real scheduler places them by it."""
+    manifest = yaml.safe_load(SCENARIO.read_text())
+    manifest["spec"]["resources"].setdefault("limits", {})["nvidia.com/gpu"] = 1
+    return manifest
+
+
+def operator_pods(cluster: LocalCluster) -> set[str]:
+    pods = cluster.list(f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/pods")
+    return {p["metadata"]["name"] for p in pods}
+
+
+def gitops_standin(cluster: LocalCluster, autoscaling: bool = True) -> GitOpsStandin:
+    control_plane = cluster.control_plane
+    return GitOpsStandin(
+        cluster.server,
+        NAMESPACE,
+        repository_manifest(autoscaling),
+        verify=control_plane.ssl_context(control_plane.admin),
+    )
+
+
+def through_the_apiserver(cluster: LocalCluster, steps: Steps) -> None:
+    """One completion sent to the Service by the apiserver (its service proxy dials an
+    endpoint of the Service: a router)."""
+    control_plane = cluster.control_plane
+    response = httpx.post(
+        f"{cluster.apiserver_proxy_url(NAME)}/v1/completions",
+        json={"model": MODEL, "prompt": "Hello through the apiserver", "max_tokens": 8},
+        verify=control_plane.ssl_context(control_plane.admin),
+        timeout=60,
+        trust_env=False,
+    )
+    response.raise_for_status()
+    body = response.json()
+    assert body["choices"][0]["finish_reason"] in ("stop", "length"), body
+    steps.say(f"   {body['usage']['completion_tokens']} tokens: {body['choices'][0]['text']!r}")
+
+
+def audit_after(cluster: LocalCluster, since: str) -> list[dict[str, Any]]:
+    return [e for e in cluster.audit_events() if e.get("requestReceivedTimestamp", "") >= since]
+
+
 def operator_is_quiet(cluster: LocalCluster, steps: Steps) -> None:
     """The operator's requests (its own client's and kopf's) over a few resyncs of a settled
-    PagedLLM: reads only."""
-    start = cluster.requests()["total"]
-    time.sleep(QUIET_RESYNCS * float(FAST_OPERATOR_ENV["PAGEDLLM_OPERATOR_RESYNC_SECONDS"]) + 0.5)
-    seen = cluster.requests(since=start, agents=OPERATOR_AGENTS)["counts"]
-    writes = {key: n for key, n in seen.items() if key.split()[0] in MUTATING_METHODS}
-    reads = sum(n for key, n in seen.items() if key.split()[0] not in MUTATING_METHODS)
-    steps.say(f"   the operator: {reads} reads, {sum(writes.values())} writes")
-    assert reads >= QUIET_RESYNCS, f"the operator did not resync: {seen}"
+    PagedLLM, from the apiserver's audit log: reads only."""
+    since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    time.sleep(QUIET_RESYNCS * float(FAST_OPERATOR_ENV["PAGEDLLM_OPERATOR_RESYNC_SECONDS"]) + 1)
+    seen = [e for e in audit_after(cluster, since) if e["user"]["username"] == OPERATOR_USER]
+    writes = [f"{e['verb']} {e['requestURI']}" for e in seen if e["verb"] in MUTATING_VERBS]
+    reads = len(seen) - len(writes)
+    steps.say(f"   the operator: {reads} reads, {len(writes)} writes")
+    assert reads >= QUIET_RESYNCS, f"the operator did not resync: {len(seen)} requests"
     assert not writes, f"the operator wrote at steady state: {writes}"
+
+
+def requests_by_service_accounts(cluster: LocalCluster, steps: Steps) -> None:
+    """Every request the operator's and the routers' clients made (kopf's, the operator's own
+    client's, the routers' discovery and waker) reached the apiserver as their
+    ServiceAccounts, none as the admin user; both did reach it."""
+    events = cluster.audit_events()
+    agents = (*OPERATOR_AGENTS, ROUTER_AGENT)
+    ours = [e for e in events if e.get("userAgent", "").startswith(agents)]
+    users = {e["user"]["username"] for e in ours}
+    steps.say(f"   {len(ours)} requests by {', '.join(sorted(users))}")
+    assert users <= {OPERATOR_USER, ROUTER_USER}, users
+    by_user = {
+        u: sum(e["user"]["username"] == u for e in events) for u in (OPERATOR_USER, ROUTER_USER)
+    }
+    assert all(by_user.values()), by_user
 
 
 def patch_spec(cluster: LocalCluster, spec: dict[str, Any]) -> None:

@@ -62,6 +62,12 @@ def _empty(value: Any) -> bool:
     return value is None or value == {} or value == [] or value == ""
 
 
+def _escape(key: str) -> str:
+    """A key as a JSON pointer step (RFC 6901): `nvidia.com/gpu` is `nvidia.com~1gpu`, so that
+    the last step of a path is the key itself."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
 def _difference(wanted: Any, live: Any, path: str) -> str | None:
     if isinstance(wanted, Mapping):
         if not isinstance(live, Mapping):
@@ -70,8 +76,8 @@ def _difference(wanted: Any, live: Any, path: str) -> str | None:
             if key not in live:
                 if _empty(value):
                     continue
-                return f"{path}/{key}"
-            found = _difference(value, live[key], f"{path}/{key}")
+                return f"{path}/{_escape(key)}"
+            found = _difference(value, live[key], f"{path}/{_escape(key)}")
             if found is not None:
                 return found
         return None

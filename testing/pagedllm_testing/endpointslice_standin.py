@@ -18,8 +18,7 @@ from typing import Any
 
 from pagedllm.router.discovery import SERVICE_NAME_LABEL
 from pagedllm_testing.deployment_standin import is_terminating
-from pagedllm_testing.kubelet_standin import LOOPBACK
-from pagedllm_testing.service_proxy import endpoint_port, selects
+from pagedllm_testing.service_proxy import LOOPBACK, endpoint_port, selects
 
 MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
 MANAGED_BY = "endpointslice-controller.k8s.io"

@@ -13,6 +13,7 @@ moved too, and is not held against the apply.
 from __future__ import annotations
 
 import copy
+import ssl
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -75,7 +76,12 @@ class GitOpsStandin:
     block ends; ``gitops.stats`` says what it saw."""
 
     def __init__(
-        self, server: str, namespace: str, manifest: Mapping[str, Any], interval: float = 3.0
+        self,
+        server: str,
+        namespace: str,
+        manifest: Mapping[str, Any],
+        interval: float = 3.0,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
         self.server = server
         self.manifest = without_replicas(manifest)
@@ -86,7 +92,8 @@ class GitOpsStandin:
         self.stats = GitOpsStats()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="gitops-standin", daemon=True)
-        self._client = httpx.Client(base_url=server, timeout=10, trust_env=False)
+        # ``verify``: the cluster's CA, and the stand-in's credentials (a client certificate).
+        self._client = httpx.Client(base_url=server, timeout=10, trust_env=False, verify=verify)
 
     def __enter__(self) -> GitOpsStandin:
         self._thread.start()

@@ -1,62 +1,53 @@
-"""The scenario's cluster on one machine, without Docker: the API emulator as its own process,
-the Deployment controller, scheduler, kubelet, Service and EndpointSlice controller stand-ins
-(and, once the scenario starts it, the cluster autoscaler stand-in) in a thread, over a system
-node and a few GPU nodes (ClusterShape), the real operator as a local process started the way
-manifests/operator.yaml starts it (its command, args and env, with short timers), and the real
-kubectl through a kubeconfig pointing at the emulator.
+"""The scenario's cluster on one machine, without Docker: the real control plane
+(cluster/control_plane.py: etcd, kube-apiserver, kube-controller-manager with the Deployment,
+ReplicaSet, EndpointSlice, disruption, garbage-collector and HPA controllers, kube-scheduler),
+a process kubelet per node (cluster/kubelet/) over a system node and a few GPU nodes
+(ClusterShape), the operator as a pod of `kubectl apply -k manifests/` with its own
+ServiceAccount, and, in a thread, the tests' stand-ins for what these machines cannot run:
+kube-proxy (service_proxy.py: a loopback listener per Service port over its EndpointSlices)
+and, once the scenario starts it, the cluster autoscaler (cluster_autoscaler_standin.py).
 
-Everything it starts runs in a process group of its own; `stop` ends them all, and
-`live_processes` tells whether anything it started is still alive.
+`stop` ends it all; `live_processes` tells whether anything it started is still alive.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
+import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import threading
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import kopf
-import yaml
 
-from pagedllm.kernels import cpu_extension
-from pagedllm.operator.kube import KubeClient, now_rfc3339
-from pagedllm_testing.cluster import binary
-from pagedllm_testing.cluster_autoscaler_standin import ClusterAutoscalerStandin, NodeGroup, Timers
-from pagedllm_testing.deployment_standin import DeploymentStandin
-from pagedllm_testing.emulator.requests import REQUESTS_PATH
-from pagedllm_testing.endpointslice_standin import EndpointSliceStandin
-from pagedllm_testing.kubelet_standin import (
-    LOOPBACK,
-    KubeletStandin,
-    free_port,
-    process_group_members,
-)
-from pagedllm_testing.polling import eventually
-from pagedllm_testing.scheduler_standin import (
+from pagedllm_testing.cluster import network
+from pagedllm_testing.cluster.control_plane import ControlPlane
+from pagedllm_testing.cluster.image import BIN_DIR, image_env
+from pagedllm_testing.cluster.kubelet import pod_network
+from pagedllm_testing.cluster.kubelet.node import (
+    GPU_GROUP,
     NODE_GROUP_LABEL,
-    NODES,
-    SchedulerStandin,
-    SlotRule,
-    node_manifest,
+    NodeSpec,
+    cluster_nodes,
+    now,
 )
+from pagedllm_testing.cluster.kubelet.pods import process_group_members
+from pagedllm_testing.cluster_autoscaler_standin import ClusterAutoscalerStandin, NodeGroup, Timers
+from pagedllm_testing.polling import eventually
 from pagedllm_testing.service_proxy import PortProxy, ServiceProxies
 
 REPO = Path(__file__).resolve().parents[2]
-# The virtual environment running the tests: where the image would have `pagedllm`.
-BIN_DIR = Path(sys.executable).parent
-OPERATOR_MANIFEST = REPO / "manifests" / "operator.yaml"
-# The operator's timers, short: the scenario waits on them.
+OPERATOR_NAMESPACE = "pagedllm-system"
+OPERATOR = "pagedllm-operator"
+# The operator's timers, short: the scenario waits on them (set on its Deployment with
+# `kubectl set env`, as a user tunes it).
 FAST_OPERATOR_ENV = {
     "PAGEDLLM_OPERATOR_RESYNC_SECONDS": "1",
     "PAGEDLLM_OPERATOR_WATCH_TIMEOUT_SECONDS": "60",
@@ -65,16 +56,8 @@ FAST_OPERATOR_ENV = {
     "PAGEDLLM_OPERATOR_METRICS_TIMEOUT_SECONDS": "1",
 }
 STANDIN_INTERVAL = 0.25
-# The namespace of the emulator's kubeconfig context, where the stand-ins run things.
+# Where the scenario's PagedLLM lives.
 NAMESPACE = "default"
-# How the stand-ins name themselves to the API server (User-Agent, Events).
-STANDINS_AGENT = "pagedllm-e2e-standins"
-# The nodes: one without GPUs (routers and other CPU pods), and GPU nodes of the node group
-# the cluster autoscaler stand-in manages, where the serving pods go; the CPU demo's serving
-# pods stand in for pods asking for one GPU each (see scheduler_standin).
-SYSTEM_NODE = "system-0"
-GPU_GROUP = "gpu"
-SLOT_RULE = SlotRule(labels={"app.kubernetes.io/name": "pagedllm"})
 
 
 @dataclass(frozen=True)
@@ -87,6 +70,16 @@ class ClusterShape:
     gpus_per_node: int = 1
 
 
+def is_pod_ready(pod: Mapping[str, Any]) -> bool:
+    """Ready and not terminating (what the EndpointSlice controller counts as ready)."""
+    if pod["metadata"].get("deletionTimestamp"):
+        return False
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
+
 def _tail(path: Path, lines: int) -> str:
     if not path.exists():
         return "(no log)"
@@ -94,18 +87,14 @@ def _tail(path: Path, lines: int) -> str:
 
 
 class Standins:
-    """The controllers and the node a cluster would have, on an event loop in a thread."""
+    """The tests' kube-proxy and cluster autoscaler stand-ins, on an event loop in a thread."""
 
-    def __init__(
-        self, server: str, namespace: str, root: Path, kubeconfig: Path, shape: ClusterShape
-    ):
-        self.server, self.namespace, self.root = server, namespace, root
-        self.kubeconfig = kubeconfig
-        self.shape = shape
-        self.log_path = root / "standins.log"
+    def __init__(self, control_plane: ControlPlane, namespace: str):
+        self.control_plane = control_plane
+        self.namespace = namespace
+        self.log_path = control_plane.layout.logs / "standins.log"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="standins", daemon=True)
-        self.kubelet: KubeletStandin | None = None
         self.proxies: ServiceProxies | None = None
         self.http: httpx.AsyncClient | None = None
         # Switched on by the scenario (start_cluster_autoscaler), then ticked with the others.
@@ -118,219 +107,128 @@ class Standins:
         self._done = asyncio.run_coroutine_threadsafe(self._run(), self.loop)
 
     async def _run(self) -> None:
-        # The emulator's kubeconfig has no credentials: its server address is the login.
-        kube = KubeClient(lambda: kopf.ConnectionInfo(server=self.server), agent=STANDINS_AGENT)
-        deployments = DeploymentStandin(kube, self.namespace)
-        self.kubelet = KubeletStandin(
-            kube, self.namespace, self.root / "pods", [str(BIN_DIR)], kubeconfig=self.kubeconfig
+        self.http = httpx.AsyncClient(
+            **self.control_plane.admin_client_options(),
+            headers={"User-Agent": "pagedllm-e2e-standins"},
         )
-        self.proxies = ServiceProxies(kube, self.namespace)
-        slices = EndpointSliceStandin(kube, self.namespace)
-        self.http = httpx.AsyncClient(base_url=self.server, timeout=10, trust_env=False)
-        scheduler = SchedulerStandin(self.http, self.namespace, SLOT_RULE)
-        await self._add_node(SYSTEM_NODE, 0)
-        for index in range(self.shape.gpu_nodes):
-            await self._add_node(f"{GPU_GROUP}-{index}", self.shape.gpus_per_node, GPU_GROUP)
+        self.proxies = ServiceProxies(self.http, self.namespace)
         try:
             while not self._stop.is_set():
-                for sync in (
-                    lambda: deployments.sync(now_rfc3339()),
-                    scheduler.sync,
-                    self.kubelet.sync,
-                    self.proxies.sync,
-                    slices.sync,
-                    self._autoscale,
-                ):
+                for sync in (self.proxies.sync, self._autoscale):
                     try:
                         await sync()
                     except Exception:
                         with self.log_path.open("a") as log:
-                            log.write(f"{now_rfc3339()} {traceback.format_exc()}\n")
+                            log.write(f"{now()} {traceback.format_exc()}\n")
                 await asyncio.sleep(STANDIN_INTERVAL)
         finally:
-            await self.kubelet.shutdown()
             await self.proxies.close()
             await self.http.aclose()
-            await kube.close()
-
-    async def _add_node(self, name: str, gpus: int, group: str | None = None) -> None:
-        assert self.http is not None
-        node, status = node_manifest(name, gpus, group)
-        (await self.http.post(NODES, json=node)).raise_for_status()
-        (
-            await self.http.patch(
-                f"{NODES}/{name}/status",
-                json=status,
-                headers={"Content-Type": "application/merge-patch+json"},
-            )
-        ).raise_for_status()
 
     async def _autoscale(self) -> None:
         if self.autoscaler is not None:
             await self.autoscaler.tick()
 
     def start_cluster_autoscaler(
-        self, group: NodeGroup, timers: Timers
+        self, group: NodeGroup, timers: Timers, env: Mapping[str, str]
     ) -> ClusterAutoscalerStandin:
         assert self.http is not None, "the stand-ins are not running"
         self.autoscaler = ClusterAutoscalerStandin(
-            self.http, self.namespace, group, timers, SLOT_RULE
+            self.http, NodeHost(self.control_plane, env), group, timers
         )
         return self.autoscaler
 
-    def service_url(self, name: str, port: str = "http") -> str | None:
-        return self.proxies.url(name, port) if self.proxies is not None else None
-
     def stop(self) -> None:
-        """Stop the loop, killing every pod process still running (a node lost)."""
         self._stop.set()
         if self._done is not None:
             try:
                 self._done.result(timeout=30)
             finally:
-                if self.kubelet is not None:
-                    self.kubelet.kill_everything()
                 self.loop.call_soon_threadsafe(self.loop.stop)
                 self.thread.join(timeout=10)
 
 
-class LocalProcess:
-    """A child process in its own process group, logging to a file."""
+@dataclass
+class NodeHost:
+    """The cluster autoscaler stand-in's cloud: a node is a process kubelet of the cluster."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], cwd: Path, log_path: Path):
-        self.name, self.log_path = name, log_path
-        with log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                argv,
-                env=env,
-                cwd=cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+    control_plane: ControlPlane
+    env: Mapping[str, str]
 
-    def stop(self, grace: float = 10) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=grace)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
+    def add_node(self, node: NodeSpec) -> None:
+        """Returns once the node is Ready: the stand-in counts nodes from the API, so one it
+        has started must be there before it judges again (the real autoscaler counts its
+        upcoming nodes instead)."""
+        self.control_plane.add_node(node, image_env=self.env, bin_dirs=[str(BIN_DIR)])
+        self.control_plane.wait_nodes_ready()
 
-    def log(self, lines: int = 200) -> str:
-        return _tail(self.log_path, lines)
+    def remove_node(self, name: str) -> None:
+        self.control_plane.remove_node(name)
 
 
 class LocalCluster:
     def __init__(self, workdir: Path, shape: ClusterShape | None = None):
         self.workdir = workdir
         self.shape = shape or ClusterShape()
-        self.kubeconfig = workdir / "kubeconfig"
-        self.api_server: LocalProcess | None = None
-        self.operator: LocalProcess | None = None
+        self.control_plane = ControlPlane(workdir / "cluster")
+        self.kubeconfig = self.control_plane.layout.kubeconfig
         self.standins: Standins | None = None
-        self.server = ""
+        self.env: dict[str, str] = {}
+        self._http: httpx.Client | None = None
+        # What `stop` ended, for `live_processes` to check afterwards.
+        self._stopped_pids: dict[str, int] = {}
+        self._bridge: int | None = None
+
+    @property
+    def server(self) -> str:
+        return self.control_plane.server
 
     # --- starting -------------------------------------------------------------------------
 
-    def start_api_server(self) -> None:
-        self.api_server = LocalProcess(
-            "kube-emulator",
-            [
-                sys.executable,
-                "-m",
-                "pagedllm_testing.emulator",
-                "--port",
-                "0",
-                "--kubeconfig",
-                str(self.kubeconfig),
-            ],
-            {**os.environ},
-            self.workdir,
-            self.workdir / "emulator.log",
-        )
-        eventually(
-            lambda: self.kubeconfig.exists() or self._exited(self.api_server),
-            timeout=30,
-            what="the API emulator",
-        )
-        self._check_running(self.api_server)
-        config = yaml.safe_load(self.kubeconfig.read_text())
-        self.server = config["clusters"][0]["cluster"]["server"]
-        # The image's build step: its CPU kernels, compiled once, read by every pod.
-        assert cpu_extension.load(), "the CPU kernels did not build"
-        self.standins = Standins(self.server, NAMESPACE, self.workdir, self.kubeconfig, self.shape)
+    def start(self) -> None:
+        """The control plane, the nodes (each Ready), and the stand-ins."""
+        self.env = image_env()
+        self.control_plane.up()
+        for node in cluster_nodes(self.shape.gpu_nodes, self.shape.gpus_per_node):
+            self.control_plane.add_node(node, image_env=self.env, bin_dirs=[str(BIN_DIR)])
+        self.control_plane.wait_nodes_ready(timeout=60)
+        self.standins = Standins(self.control_plane, NAMESPACE)
         self.standins.start()
-        eventually(
-            lambda: len(self.list(NODES)) == 1 + self.shape.gpu_nodes,
-            timeout=30,
-            what="the nodes to register",
-        )
 
     def start_operator(self) -> None:
-        """The operator Deployment's container, run here: same command, args and env, with
-        short timers and its liveness endpoint on a free loopback port."""
-        manifest = yaml.safe_load(OPERATOR_MANIFEST.read_text())
-        container = manifest["spec"]["template"]["spec"]["containers"][0]
-        health_port = free_port(set())
-        args = [
-            f"--liveness=http://{LOOPBACK}:{health_port}/healthz"
-            if arg.startswith("--liveness=")
-            else arg
-            for arg in container.get("args", [])
-        ]
-        env = {
-            "PATH": f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}",
-            "HOME": str(self.workdir),
-            "KUBECONFIG": str(self.kubeconfig),
-            **{item["name"]: item["value"] for item in container.get("env") or []},
-            **FAST_OPERATOR_ENV,
-        }
-        executable = shutil.which(container["command"][0], path=env["PATH"])
-        assert executable is not None, f"{container['command'][0]} is not installed"
-        # Not the repository root: there the folder operator/ would shadow the standard
-        # library's `operator` module.
-        self.operator = LocalProcess(
-            "operator",
-            [executable, *container["command"][1:], *args],
-            env,
-            self.workdir,
-            self.workdir / "operator.log",
+        """The operator's Deployment from manifests/ (applied before), with short timers set
+        on it, rolled out and ready."""
+        self.kubectl(
+            "set",
+            "env",
+            f"deployment/{OPERATOR}",
+            "-n",
+            OPERATOR_NAMESPACE,
+            *(f"{key}={value}" for key, value in FAST_OPERATOR_ENV.items()),
         )
-
-        def healthy() -> bool:
-            self._check_running(self.operator)
-            try:
-                return (
-                    httpx.get(
-                        f"http://{LOOPBACK}:{health_port}/healthz", timeout=1, trust_env=False
-                    ).status_code
-                    == 200
-                )
-            except httpx.HTTPError:
-                return False
-
-        eventually(healthy, timeout=60, what="the operator's liveness endpoint")
-
-    @staticmethod
-    def _exited(process: LocalProcess | None) -> bool:
-        return process is not None and process.process.poll() is not None
-
-    def _check_running(self, process: LocalProcess | None) -> None:
-        if self._exited(process):
-            assert process is not None
-            raise AssertionError(
-                f"{process.name} exited with code {process.process.returncode}:\n{process.log(60)}"
-            )
+        self.kubectl(
+            "rollout",
+            "status",
+            f"deployment/{OPERATOR}",
+            "-n",
+            OPERATOR_NAMESPACE,
+            "--timeout=120s",
+            timeout=140,
+        )
 
     # --- using -----------------------------------------------------------------------------
 
+    def http(self) -> httpx.Client:
+        """An admin client of the apiserver."""
+        if self._http is None:
+            self._http = httpx.Client(**self.control_plane.admin_client_options())
+        return self._http
+
     def kubectl(self, *args: str, timeout: float = 60, check: bool = True) -> str:
-        """kubectl with the emulator's kubeconfig (its context's namespace is `default`)."""
+        """The built kubectl as the cluster's admin (its context's namespace is `default`)."""
+        kubectl = self.control_plane.layout.bin / "kubectl"
         result = subprocess.run(
-            [binary.kubectl(), *args],
+            [str(kubectl), *args],
             text=True,
             capture_output=True,
             timeout=timeout,
@@ -344,31 +242,25 @@ class LocalCluster:
         return result.stdout + result.stderr
 
     def get(self, path: str) -> dict[str, Any] | None:
-        response = httpx.get(self.server + path, timeout=10, trust_env=False)
+        response = self.http().get(path)
         if response.status_code == 404:
             return None
         response.raise_for_status()
         return response.json()
 
-    def requests(self, since: int = 0, agents: tuple[str, ...] = ()) -> dict[str, Any]:
-        """The emulator's count of the requests it served (pagedllm_testing.emulator.requests)."""
-        params: list[tuple[str, str | int]] = [("since", since), *(("agent", a) for a in agents)]
-        response = httpx.get(
-            self.server + REQUESTS_PATH, params=params, timeout=10, trust_env=False
-        )
-        response.raise_for_status()
-        return response.json()
-
     def list(self, path: str, selector: str | None = None) -> list[dict[str, Any]]:
         params = {"labelSelector": selector} if selector else None
-        response = httpx.get(self.server + path, params=params, timeout=10, trust_env=False)
+        response = self.http().get(path, params=params)
         response.raise_for_status()
         return response.json()["items"]
+
+    def audit_events(self) -> list[dict[str, Any]]:
+        return self.control_plane.audit_events()
 
     def service_url(self, name: str) -> str:
         assert self.standins is not None
         return eventually(
-            lambda: self.standins.service_url(name),
+            lambda: self.standins.proxies and self.standins.proxies.url(name),
             timeout=30,
             what=f"Service {name}'s stand-in listener",
         )
@@ -380,80 +272,108 @@ class LocalCluster:
         assert proxy is not None, f"no stand-in listener for Service {name} port {port}"
         return proxy
 
+    def apiserver_proxy_url(self, service: str, port: str = "http") -> str:
+        """The Service through the apiserver's service proxy."""
+        return f"{self.server}/api/v1/namespaces/{NAMESPACE}/services/{service}:{port}/proxy"
+
     def start_cluster_autoscaler(
         self, group: NodeGroup, timers: Timers
     ) -> ClusterAutoscalerStandin:
         """The cluster autoscaler stand-in, on from now on, over the GPU node group."""
         assert self.standins is not None
-        return self.standins.start_cluster_autoscaler(group, timers)
+        return self.standins.start_cluster_autoscaler(group, timers, self.env)
 
     def gpu_nodes(self) -> list[dict[str, Any]]:
-        return self.list(NODES, f"{NODE_GROUP_LABEL}={GPU_GROUP}")
+        return self.list("/api/v1/nodes", f"{NODE_GROUP_LABEL}={GPU_GROUP}")
 
-    def crash_pod(self, name: str) -> list[int]:
-        """SIGKILL the pod's processes (see KubeletStandin.crash)."""
-        assert self.standins is not None and self.standins.kubelet is not None
-        return self.standins.kubelet.crash(name)
+    def _pod_network(self, pod: Mapping[str, Any]) -> pod_network.PodNetwork | None:
+        address = (pod.get("status") or {}).get("podIP")
+        bridge = network.Bridge(self.control_plane.current.bridge)
+        if not address:
+            return None
+        return pod_network.PodNetwork(bridge, int(address.rsplit(".", 1)[1]) - 1)
+
+    def crash_pod(self, name: str, namespace: str = NAMESPACE) -> list[int]:
+        """SIGKILL every process in the pod's network namespace (its containers'), as an OOM
+        kill or a crash would; restartPolicy Always then starts them again."""
+        pod = self.get(f"/api/v1/namespaces/{namespace}/pods/{name}")
+        assert pod is not None, f"no pod {name}"
+        net = self._pod_network(pod)
+        assert net is not None, f"pod {name} has no address"
+        killed = pod_network.processes_in(net.namespace_path)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        return killed
 
     def pod_processes(self) -> dict[str, list[int]]:
-        """Pod name -> its live processes."""
-        kubelet = self.standins.kubelet if self.standins else None
-        return kubelet.live_processes() if kubelet is not None else {}
+        """Pod name -> its live processes (those in its network namespace), every namespace."""
+        found = {}
+        for pod in self.list("/api/v1/pods"):
+            net = self._pod_network(pod)
+            pids = pod_network.processes_in(net.namespace_path) if net is not None else []
+            if pids:
+                found[pod["metadata"]["name"]] = pids
+        return found
+
+    def local_url(self, pod: Mapping[str, Any], port: int = 8000) -> str:
+        """A pod's port at its address on the cluster's bridge."""
+        return f"http://{pod['status']['podIP']}:{port}"
 
     # --- ending ----------------------------------------------------------------------------
 
     def live_processes(self) -> dict[str, list[int]]:
-        """Everything this cluster started that is still alive: pods, operator, emulator."""
-        alive = dict(self.pod_processes())
-        for process in (self.operator, self.api_server):
-            if process is not None:
-                members = process_group_members(process.process.pid)
-                if members:
-                    alive[process.name] = members
+        """Everything this cluster started that is still alive: the components and kubelets
+        (by process group), and anything in a pod network namespace of its bridge."""
+        alive: dict[str, list[int]] = {}
+        state_file = self.control_plane.layout.state
+        pids = json.loads(state_file.read_text())["pids"] if state_file.exists() else {}
+        for name, pgid in {**pids, **self._stopped_pids}.items():
+            members = process_group_members(pgid)
+            if members:
+                alive[name] = members
+        bridge = self._bridge if self._bridge is not None else self.control_plane.current.bridge
+        for net in pod_network.leftovers(network.Bridge(bridge)):
+            alive[net.namespace] = pod_network.processes_in(net.namespace_path)
         return alive
 
     def stop(self) -> None:
-        if self.operator is not None:
-            self.operator.stop()
         if self.standins is not None:
             self.standins.stop()
-        if self.api_server is not None:
-            self.api_server.stop()
+        if self._http is not None:
+            self._http.close()
+        state = self.control_plane.layout.state
+        if state.exists():
+            self._stopped_pids = dict(json.loads(state.read_text())["pids"])
+            self._bridge = self.control_plane.current.bridge
+        self.control_plane.down()
 
     def diagnostics(self) -> str:
         """What explains a red run: the objects, the operator's log, the pods' logs."""
         sections = []
-        if self.api_server is not None and not self._exited(self.api_server):
-            for args in (
-                ["get", "nodes,pllm,deploy,rs,pod,svc,pdb", "-o", "wide"],
-                ["get", "pllm", "-o", "yaml"],
-                [
-                    "get",
-                    "deploy",
-                    "-o",
-                    "jsonpath={range .items[*]}{.metadata.name}"
-                    " generation={.metadata.generation} {.status}{'\\n'}{end}",
-                ],
-                [
-                    "get",
-                    "pods",
-                    "-o",
-                    "jsonpath={range .items[*]}{.metadata.name} "
-                    "{.metadata.deletionTimestamp} {.status.conditions}"
-                    " {.status.containerStatuses}{'\\n'}{end}",
-                ],
-                ["get", "events", "--sort-by=.lastTimestamp"],
-            ):
-                try:
-                    output = self.kubectl(*args, timeout=20, check=False)
-                except subprocess.TimeoutExpired:
-                    output = "(timed out)"
-                sections.append((f"kubectl {' '.join(args)}", output))
-        for process in (self.operator, self.api_server):
-            if process is not None:
-                sections.append((f"{process.name} log (tail)", process.log(150)))
-        sections.append(("stand-ins log (tail)", _tail(self.workdir / "standins.log", 80)))
-        kubelet = self.standins.kubelet if self.standins else None
-        for name, path in (kubelet.logs() if kubelet else {}).items():
-            sections.append((f"pod {name} log (tail)", _tail(path, 40)))
+        for args in (
+            ["get", "nodes,pllm,deploy,rs,pod,svc,pdb,hpa", "-A", "-o", "wide"],
+            ["get", "pllm", "-o", "yaml"],
+            [
+                "get",
+                "pods",
+                "-A",
+                "-o",
+                "jsonpath={range .items[*]}{.metadata.name} "
+                "{.metadata.deletionTimestamp} {.status.conditions}"
+                " {.status.containerStatuses}{'\\n'}{end}",
+            ],
+            ["get", "events", "-A", "--sort-by=.lastTimestamp"],
+        ):
+            try:
+                output = self.kubectl(*args, timeout=20, check=False)
+            except (subprocess.TimeoutExpired, OSError) as error:
+                output = f"({error})"
+            sections.append((f"kubectl {' '.join(args)}", output))
+        logs = self.control_plane.layout.logs
+        for name in ("kube-controller-manager", "kube-scheduler", "standins"):
+            sections.append((f"{name} log (tail)", _tail(logs / f"{name}.log", 40)))
+        for path in sorted((self.control_plane.layout.root / "nodes").glob("*.log")):
+            sections.append((f"kubelet {path.stem} (tail)", _tail(path, 30)))
+        for path in sorted((self.control_plane.layout.root / "pods").glob("*/*.log")):
+            sections.append((f"pod {path.parent.name}/{path.stem} (tail)", _tail(path, 40)))
         return "\n".join(f"===== {title}\n{body}" for title, body in sections)

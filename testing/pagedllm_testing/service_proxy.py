@@ -1,69 +1,47 @@
-"""A stand-in for a Service's cluster IP (test infrastructure): for each port of each Service
-of one namespace, a loopback listener that spreads connections over the Service's ready
-endpoints, as kube-proxy does.
+"""A stand-in for kube-proxy (test infrastructure; nothing on these machines may route a
+Service's ClusterIP): for each port of each Service of one namespace, a loopback listener that
+spreads connections over the Service's ready endpoints, as kube-proxy does.
 
-Endpoints are the pods the Service's selector matches that are Ready and not terminating
-(what the EndpointSlice controller publishes); the target port (a name or a number) is looked
-up in the pod's containers and mapped to the loopback port the kubelet stand-in gave it.
-Balancing is per connection, round robin; a connection that arrives while no endpoint is
-ready is closed at once (a real cluster refuses it). Closing a listener when its Service is
-deleted leaves established connections to finish, as in a real cluster.
+Endpoints are what the real EndpointSlice controller publishes for the Service: the addresses
+of its EndpointSlices whose `ready` condition is true, on the slice's port of the Service port's
+name (pod addresses on the cluster's bridge). Balancing is per connection, round robin; a
+connection that arrives while no endpoint is ready is closed at once (a real cluster refuses
+it). Closing a listener when its Service is deleted leaves established connections to finish,
+as in a real cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.operator.kube import KubeClient
-from pagedllm_testing.deployment_standin import is_pod_ready
-from pagedllm_testing.kubelet_standin import HOST_PORTS_ANNOTATION, LOOPBACK
+import httpx
 
+LOOPBACK = "127.0.0.1"
 CHUNK = 64 * 1024
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
-def selects(selector: Mapping[str, str], pod: Mapping[str, Any]) -> bool:
-    labels = pod["metadata"].get("labels") or {}
-    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-
-def endpoint_port(pod: Mapping[str, Any], target_port: int | str) -> int | None:
-    """The loopback port serving `target_port` of this pod, if it has one."""
-    container_port: int | None
-    if isinstance(target_port, int) or str(target_port).isdigit():
-        container_port = int(target_port)
-    else:
-        container_port = next(
+def ready_endpoints(port_name: str, slices: Sequence[Mapping[str, Any]]) -> list[tuple[str, int]]:
+    """(address, port) of every ready endpoint of the slices, on the port named ``port_name``."""
+    endpoints = set()
+    for endpoint_slice in slices:
+        port = next(
             (
-                p["containerPort"]
-                for c in pod["spec"].get("containers") or []
-                for p in c.get("ports") or []
-                if p.get("name") == target_port
+                p.get("port")
+                for p in endpoint_slice.get("ports") or []
+                if (p.get("name") or "") == port_name
             ),
             None,
         )
-    host_ports = json.loads(
-        pod["metadata"].get("annotations", {}).get(HOST_PORTS_ANNOTATION) or "{}"
-    )
-    port = host_ports.get(str(container_port))
-    return int(port) if port is not None else None
-
-
-def ready_endpoints(
-    service: Mapping[str, Any], service_port: Mapping[str, Any], pods: list[dict[str, Any]]
-) -> list[tuple[str, int]]:
-    selector = service["spec"].get("selector") or {}
-    target = service_port.get("targetPort", service_port["port"])
-    endpoints = []
-    for pod in pods:
-        if selects(selector, pod) and is_pod_ready(pod):
-            port = endpoint_port(pod, target)
-            if port is not None:
-                endpoints.append((LOOPBACK, port))
+        if port is None:
+            continue
+        for endpoint in endpoint_slice.get("endpoints") or []:
+            if (endpoint.get("conditions") or {}).get("ready"):
+                endpoints.update((address, int(port)) for address in endpoint["addresses"])
     return sorted(endpoints)
 
 
@@ -151,10 +129,11 @@ async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 class ServiceProxies:
-    """One PortProxy per Service port of the namespace, kept in step with the API."""
+    """One PortProxy per Service port of the namespace, kept in step with the API (as an admin
+    client: kube-proxy may read every Service and EndpointSlice)."""
 
-    def __init__(self, kube: KubeClient, namespace: str):
-        self.kube = kube
+    def __init__(self, http: httpx.AsyncClient, namespace: str):
+        self.http = http
         self.namespace = namespace
         self.proxies: dict[tuple[str, str], PortProxy] = {}
 
@@ -165,19 +144,32 @@ class ServiceProxies:
     def proxy(self, service: str, port_name: str = "http") -> PortProxy | None:
         return self.proxies.get((service, port_name))
 
+    async def _items(self, path: str) -> list[dict[str, Any]]:
+        response = await self.http.get(path)
+        response.raise_for_status()
+        return list(response.json()["items"])
+
     async def sync(self) -> None:
-        services = await self.kube.list("v1", "Service", self.namespace)
-        pods = await self.kube.list("v1", "Pod", self.namespace)
+        services = await self._items(f"/api/v1/namespaces/{self.namespace}/services")
+        slices = await self._items(
+            f"/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices"
+        )
         wanted = set()
         for service in services:
+            name = service["metadata"]["name"]
+            own = [
+                s
+                for s in slices
+                if (s["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL) == name
+            ]
             for service_port in service["spec"].get("ports") or []:
-                key = (service["metadata"]["name"], service_port.get("name") or "")
+                key = (name, service_port.get("name") or "")
                 wanted.add(key)
                 proxy = self.proxies.get(key)
                 if proxy is None:
                     proxy = self.proxies[key] = PortProxy(*key)
                     await proxy.start()
-                proxy.endpoints = ready_endpoints(service, service_port, pods)
+                proxy.endpoints = ready_endpoints(key[1], own)
         for key in [k for k in self.proxies if k not in wanted]:
             await self.proxies.pop(key).close()
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from pagedllm_testing.cluster.control_plane import (
     is_running,
     kubeconfig_text,
 )
+from pagedllm_testing.cluster.kubelet import pod_network
 from pagedllm_testing.polling import eventually
 
 
@@ -48,7 +51,7 @@ def test_metrics_have_stored_objects_and_etcd_requests(control_plane: ControlPla
     assert "etcd_request_duration_seconds_count{" in metrics
     # etcd's own endpoint: a leader, so writes go through.
     etcd = httpx.get(
-        f"http://127.0.0.1:{control_plane._state().ports['etcd-metrics']}/metrics", timeout=10
+        f"http://127.0.0.1:{control_plane.current.ports['etcd-metrics']}/metrics", timeout=10
     ).text
     assert "etcd_server_has_leader 1" in etcd
 
@@ -158,32 +161,55 @@ def cluster_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_make_cluster_prints_a_kubeconfig_and_down_leaves_nothing(tmp_path: Path) -> None:
-    root = tmp_path / "cluster"
-    up = cluster_cli("up", "--root", str(root))
+def test_make_cluster_prints_a_kubeconfig_and_down_leaves_nothing() -> None:
+    """`up` starts the control plane and a kubelet per node and waits for every Node to be
+    Ready; `down`, from another process (the state file alone), leaves no process, pod network
+    namespace, veth, bridge or mount."""
+    # Short: a pod's folder is under it.
+    root = Path(tempfile.mkdtemp(prefix="pllm-cli-")) / "cluster"
+    up = cluster_cli("up", "--root", str(root), "--gpu-nodes", "1")
     assert up.returncode == 0, up.stderr
     (line,) = [x for x in up.stdout.splitlines() if x.startswith("KUBECONFIG=")]
     kubeconfig = line.removeprefix("KUBECONFIG=")
     assert Path(kubeconfig) == root / "kubeconfig"
-    version = subprocess.run(
-        [binary.kubectl(), "version", "-o", "json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "KUBECONFIG": kubeconfig},
+    env = {**os.environ, "KUBECONFIG": kubeconfig}
+
+    def kubectl(*args: str) -> str:
+        result = subprocess.run(
+            [binary.kubectl(), *args], capture_output=True, text=True, timeout=60, env=env
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    version = json.loads(kubectl("version", "-o", "json"))
+    assert version["serverVersion"]["gitVersion"] == binary.kubernetes_version()
+    nodes = json.loads(kubectl("get", "nodes", "-o", "json"))["items"]
+    assert sorted(n["metadata"]["name"] for n in nodes) == ["gpu-0", "system-0"]
+    assert all(
+        any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"]["conditions"])
+        for n in nodes
     )
-    assert json.loads(version.stdout)["serverVersion"]["gitVersion"] == binary.kubernetes_version()
     status = cluster_cli("status", "--root", str(root))
-    assert status.stdout.count(": running") == 4, status.stdout
+    assert status.stdout.count(": running") == 4 + 2, status.stdout
+    # A pod, running in a network namespace of its own, for `down` to clean up after.
+    kubectl("run", "sleeper", "--image=python", "--command", "--", "sleep", "600")
+    kubectl("wait", "--for=jsonpath={.status.phase}=Running", "pod/sleeper", "--timeout=60s")
 
     # Another process stops it, from the state file alone.
     cluster = ControlPlane(root)
-    state = cluster._state()
+    state = cluster.current
     pids, bridge = list(state.pids.values()), network.Bridge(state.bridge)
+    (pod_net,) = pod_network.leftovers(bridge)
+    assert pod_network.processes_in(pod_net.namespace_path)
     assert network.bridge_exists(bridge)
     down = cluster_cli("down", "--root", str(root))
     assert down.returncode == 0, down.stderr
     # Gone, or at most a zombie until init (their parent since `up` exited) reaps it.
-    eventually(lambda: not [pid for pid in pids if is_running(pid)], what="no component left")
+    eventually(lambda: not [pid for pid in pids if is_running(pid)], what="no process left")
     assert not network.bridge_exists(bridge)
+    assert not pod_network.leftovers(bridge)
+    links = network.ip("-o", "link").stdout
+    assert pod_net.veth not in links and bridge.name not in links
+    assert str(root) not in Path("/proc/self/mountinfo").read_text()
     assert cluster_cli("status", "--root", str(root)).returncode == 1
+    shutil.rmtree(root.parent)

@@ -71,9 +71,8 @@ def test_a_field_no_longer_set_changes_the_fingerprint() -> None:
     del new["metadata"]["annotations"][APPLIED_ANNOTATION]
     del new["spec"]["type"]
     restamped = stamped(new)
-    assert first_difference(restamped, as_served(old)) == (
-        f"/metadata/annotations/{APPLIED_ANNOTATION}"
-    )
+    escaped = APPLIED_ANNOTATION.replace("/", "~1")
+    assert first_difference(restamped, as_served(old)) == f"/metadata/annotations/{escaped}"
 
 
 def test_a_spec_change_touches_only_the_children_it_changes() -> None:
@@ -105,3 +104,17 @@ def test_quantities_compare_by_value() -> None:
     live = as_served(service)
     live["spec"]["ports"][0]["port"] = str(live["spec"]["ports"][0]["port"])
     assert first_difference(service, live) == "/spec/ports/0/port"
+
+
+def test_extended_resources_compare_by_value() -> None:
+    """`nvidia.com/gpu: 1` reads back as "1": the same amount, no difference (the resource's
+    name holds a slash, escaped in the path as JSON pointers do); another amount is one."""
+    deployment = children(resources={"limits": {"nvidia.com/gpu": 1}})["Deployment/llama"]
+    live = as_served(deployment)
+    resources = live["spec"]["template"]["spec"]["containers"][0]["resources"]
+    resources["limits"]["nvidia.com/gpu"] = "1"
+    assert first_difference(deployment, live) is None
+    resources["limits"]["nvidia.com/gpu"] = "2"
+    assert first_difference(deployment, live) == (
+        "/spec/template/spec/containers/0/resources/limits/nvidia.com~1gpu"
+    )

@@ -5,10 +5,12 @@ key of the cluster's, and an audit log. `make cluster` and the tests' session fi
 it through `ControlPlane`; its state (pids, ports) lives in a file, so that another process
 (`make cluster-down`) can stop what one started.
 
-The components talk over loopback; the apiserver also listens on, and advertises, the host's
-address on the cluster's bridge (network.py), where pods reach it. The service range is never
-dialed: nothing routes it here, so Services are reached through the apiserver's service proxy or
-the tests' own proxy."""
+etcd and the other components' health ports listen on loopback; the apiserver listens on, and
+advertises, the host's address on the cluster's bridge (network.py), port 443, where the host's
+clients and the pods reach it. The service range is never dialed: nothing routes it here, so
+Services are reached through the apiserver's service proxy or the tests' own proxy
+(service_proxy.py), and the pods' /etc/hosts name the apiserver's address for
+kubernetes.default.svc."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ import os
 import signal
 import ssl
 import subprocess
+import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,12 +30,15 @@ import httpx
 import yaml
 
 from pagedllm_testing.cluster import binary, network, pki
+from pagedllm_testing.cluster.kubelet import pod_network
+from pagedllm_testing.cluster.kubelet.node import NodeSpec
 from pagedllm_testing.serve_harness import free_port
 
 LOOPBACK = "127.0.0.1"
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMIN_USER = "pagedllm-admin"
+APISERVER_PORT = 443
 # Start order: each needs the one before it.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 # Every request at Metadata level (who, what, which verb and object, the response code); the
@@ -101,6 +108,8 @@ class State:
     ports: dict[str, int]
     bridge: int
     pids: dict[str, int] = field(default_factory=dict)
+    # Node name -> its NodeSpec (kubelet/node.py) as JSON; its kubelet's pid is "kubelet/NAME".
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def advertise_address(self) -> str:
@@ -173,14 +182,18 @@ def apiserver_args(layout: Layout, ports: dict[str, int], advertise_address: str
     p = layout.pki
     return [
         f"--etcd-servers=http://{LOOPBACK}:{ports['etcd']}",
-        # Loopback for the host's clients, the bridge address for the pods'.
-        "--bind-address=0.0.0.0",
+        # The host's address on the cluster's bridge, port 443: where the `kubernetes` Service
+        # points and where in-cluster clients (kopf's among them) dial it, as
+        # https://kubernetes.default.svc (the pods' /etc/hosts name it, see kubelet/pods.py).
+        f"--bind-address={advertise_address}",
         f"--secure-port={ports['kube-apiserver']}",
         f"--advertise-address={advertise_address}",
         f"--tls-cert-file={p / 'apiserver.crt'}",
         f"--tls-private-key-file={p / 'apiserver.key'}",
         f"--client-ca-file={p / 'ca.crt'}",
         "--authorization-mode=Node,RBAC",
+        # As kubeadm enables it: a kubelet may change only its own Node and its pods' status.
+        "--enable-admission-plugins=NodeRestriction",
         "--allow-privileged=true",
         f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
         f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
@@ -249,15 +262,24 @@ class ControlPlane:
     """One control plane under ``layout.root``. `up` starts what is not running and waits until
     the apiserver is ready; `stop`/`start` one component; `down` ends every process."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, components: tuple[str, ...] = COMPONENTS):
+        unknown = set(components) - set(COMPONENTS)
+        if unknown or components[:2] != COMPONENTS[:2]:
+            raise ControlPlaneError(
+                f"components {components}: etcd and kube-apiserver first, then any of {COMPONENTS}"
+            )
         self.layout = Layout(root.resolve())
+        # ("etcd", "kube-apiserver") alone is envtest's cluster: objects are stored, validated
+        # and watched, and no controller acts on them (tests set status themselves).
+        self.components = components
         self.state: State | None = None
 
     # --- addresses and credentials -------------------------------------------------------
 
     @property
     def server(self) -> str:
-        return f"https://{LOOPBACK}:{self._state().ports['kube-apiserver']}"
+        state = self._state()
+        return f"https://{state.advertise_address}:{state.ports['kube-apiserver']}"
 
     @property
     def ca(self) -> Path:
@@ -272,6 +294,15 @@ class ControlPlane:
         if client is not None:
             context.load_cert_chain(str(client.cert), str(client.key))
         return context
+
+    def admin_client_options(self) -> dict[str, Any]:
+        """httpx client options for the apiserver as the admin user."""
+        return {
+            "base_url": self.server,
+            "verify": self.ssl_context(self.admin),
+            "timeout": 10,
+            "trust_env": False,
+        }
 
     def kubectl_env(self) -> dict[str, str]:
         """The environment to run the built kubectl in as the admin user."""
@@ -300,6 +331,11 @@ class ControlPlane:
 
     # --- lifecycle ----------------------------------------------------------------------
 
+    @property
+    def current(self) -> State:
+        """The running cluster's state (ports, bridge, processes, nodes)."""
+        return self._state()
+
     def _state(self) -> State:
         if self.state is None:
             if not self.layout.state.exists():
@@ -316,10 +352,11 @@ class ControlPlane:
             self.state = State.load(layout.state)
         else:
             ports = {name: free_port() for name in (*COMPONENTS, "etcd-peer", "etcd-metrics")}
+            ports["kube-apiserver"] = APISERVER_PORT  # on the bridge's address, the cluster's own
             self.state = State(ports=ports, bridge=network.create_bridge().index)
             self._state().save(layout.state)
             self._write_files()
-        for name in COMPONENTS:
+        for name in self.components:
             if not self.running(name):
                 self.start(name)
             self._wait_ready(name, timeout)
@@ -397,13 +434,89 @@ class ControlPlane:
             _end_group(pid, grace)
         self._state().save(self.layout.state)
 
+    # --- nodes --------------------------------------------------------------------------
+
+    def add_node(
+        self,
+        node: NodeSpec,
+        *,
+        image_env: Mapping[str, str] | None = None,
+        bin_dirs: Sequence[str] = (),
+    ) -> None:
+        """Start the node's kubelet (kubelet/, a process of its own); `wait_nodes_ready` waits
+        for it to register."""
+        argv = [sys.executable, "-P", "-m", "pagedllm_testing.cluster.kubelet"]
+        argv += ["--cluster", str(self.layout.root), "--node", node.name, "--gpus", str(node.gpus)]
+        argv += [f"--label={key}={value}" for key, value in node.labels.items()]
+        argv += [f"--taint={key}" for key in node.taints]
+        argv += [f"--env={key}={value}" for key, value in (image_env or {}).items()]
+        argv += [f"--bin-dir={directory}" for directory in bin_dirs]
+        log = (self.layout.logs / f"kubelet-{node.name}.log").open("ab")
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            cwd=self.layout.root,
+        )
+        log.close()
+        state = self._state()
+        state.pids[f"kubelet/{node.name}"] = process.pid
+        state.nodes[node.name] = node.to_json()
+        state.save(self.layout.state)
+
+    def nodes(self) -> list[NodeSpec]:
+        return [NodeSpec.from_json(data) for data in self._state().nodes.values()]
+
+    def remove_node(self, name: str) -> None:
+        """The node's kubelet stopped (its pods' processes killed, as on a lost machine) and
+        its Node object deleted."""
+        self.stop(f"kubelet/{name}", grace=30.0)
+        self._state().nodes.pop(name, None)
+        self._state().save(self.layout.state)
+        self.kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+
+    def wait_nodes_ready(self, timeout: float = 60.0) -> None:
+        """Until every node's kubelet has registered it and it is Ready."""
+        wanted = set(self._state().nodes)
+        deadline = time.monotonic() + timeout
+        ready: set[str] = set()
+        while time.monotonic() < deadline:
+            for name in wanted:
+                if not self.running(f"kubelet/{name}"):
+                    raise ControlPlaneError(
+                        f"the kubelet of node {name} exited; its log:\n"
+                        + self.log_tail(f"kubelet-{name}")
+                    )
+            listed = json.loads(self.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+            ready = {
+                node["metadata"]["name"]
+                for node in listed
+                if any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in (node.get("status") or {}).get("conditions") or []
+                )
+            }
+            if wanted <= ready:
+                return
+            time.sleep(0.5)
+        raise ControlPlaneError(f"nodes not Ready within {timeout:g}s: {sorted(wanted - ready)}")
+
     def down(self) -> None:
-        """Every component stopped, in reverse order; the files stay (logs, certificates)."""
+        """Every kubelet stopped (and whatever its pods left: processes, network namespaces,
+        veths), then every component, in reverse order; the files stay (logs, certificates)."""
         if not self.layout.state.exists():
             return
+        state = self._state()
+        for name in list(state.nodes):
+            self.stop(f"kubelet/{name}", grace=30.0)
+            state.nodes.pop(name)
+        bridge = network.Bridge(state.bridge)
+        pod_network.sweep(bridge, self.layout.root / "ipam")
         for name in reversed(COMPONENTS):
             self.stop(name)
-        network.delete_bridge(network.Bridge(self._state().bridge))
+        network.delete_bridge(bridge)
         self.layout.state.unlink()
         self.state = None
 

@@ -7,12 +7,24 @@ from collections.abc import Iterator
 
 import pytest
 
-from pagedllm_testing.cluster.control_plane import ControlPlane
+from pagedllm_testing.cluster.control_plane import COMPONENTS, ControlPlane
 
 
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     cluster = ControlPlane(tmp_path_factory.mktemp("cluster"))
+    try:
+        cluster.up()
+        yield cluster
+    finally:
+        cluster.down()
+
+
+@pytest.fixture(scope="session")
+def api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """etcd and kube-apiserver alone, as envtest runs them: no controller touches what a test
+    creates, so a test may write a Deployment's or a pod's status itself."""
+    cluster = ControlPlane(tmp_path_factory.mktemp("api-server"), COMPONENTS[:2])
     try:
         cluster.up()
         yield cluster

@@ -1,45 +1,39 @@
-"""A stand-in for the kubelet (test infrastructure): runs the pods of one namespace as local
-processes and reports them as Pod status, the way the real kubelet runs containers. It stands
-in for every node's kubelet at once: a pod runs once it is bound to a node (spec.nodeName, see
-scheduler_standin.py); an unbound pod that is deleted just goes.
+"""One pod's containers run as local processes, and the Pod status they amount to, as a
+kubelet and its container runtime would run them (see the package's docstring for what is
+not emulated).
 
+- The pod gets a network namespace with an address on the cluster's bridge (pod_network.py):
+  its containers' processes run in it (`nsenter --net`), so they bind their own container
+  ports, status.podIP is that address, and probes go to it. Its /etc/hosts (bind-mounted, as
+  the kubelet manages it) names the apiserver's address for kubernetes.default.svc, standing
+  in for cluster DNS and the `kubernetes` Service's ClusterIP; KUBERNETES_SERVICE_HOST/PORT
+  name the same address and port.
 - Each container runs the command and args of the pod spec with the pod spec's env, looked up
   on PATH with the given directories first (the project's virtual environment, where the
   image has `pagedllm`), in a process group of its own, logging to ROOT/POD/CONTAINER.log.
-  Only the image's own ENV (manifests/Dockerfile) and PATH come from outside the pod spec.
-- Networking: every declared container port gets a free loopback port. The value after
-  `--port` (when it is a declared container port) and the value after `--host` are rewritten
-  to them; status.podIP is 127.0.0.1. The mapping is recorded on the pod for the Service
-  stand-in (annotation e2e.pagedllm.io/host-ports) and for the operator's autoscaler (its
-  documented pagedllm.io/metrics-port override names the metrics port).
-- Volumes: emptyDirs (any medium) are directories under ROOT/POD. configMap volumes are too,
-  holding a file per key (or per `items` entry), written before the containers start and
-  refreshed in place while the pod runs (every CONFIG_MAP_REFRESH_SECONDS here; within a
-  minute or so on a real kubelet), each file replaced atomically. Env values and args naming
-  a mount path are rewritten to the directory, and a /tmp mount becomes TMPDIR.
+  Only the image's own ENV (manifests/Dockerfile) and PATH come from outside the pod spec, and
+  KUBERNETES_SERVICE_HOST/PORT (the apiserver's address on the bridge) as the kubelet sets them.
+- Volumes: emptyDirs (any medium) are directories under ROOT/POD; configMap, secret,
+  downwardAPI and projected volumes (serviceAccountToken through the TokenRequest API, bound
+  to the pod, as the ServiceAccount admission plugin's kube-api-access volume asks) are too,
+  written before the containers start and configMaps refreshed in place while the pod runs.
+  Volumes mounted under /var/run/secrets (the service-account token, the cluster CA, the
+  namespace) are bind-mounted at their mountPath in the pod's own mount namespace (`unshare
+  --mount`), so in-cluster clients find them where they look; any other mount path in an env
+  value or an arg is rewritten to its directory, and a /tmp mount becomes TMPDIR.
 - Env: plain values, secretKeyRef and configMapKeyRef (read from the API, `optional`
-  honoured), fieldRef to metadata.name, metadata.namespace and status.podIP.
-- Service-account credentials: a pod whose automountServiceAccountToken is not false gets
-  KUBECONFIG naming the cluster's kubeconfig instead of the token files a kubelet mounts under
-  /var/run/secrets/kubernetes.io/serviceaccount (fixed absolute paths that a local process
-  cannot be given); clients that fall back from in-cluster credentials to the kubeconfig, as
-  the `kubernetes` package's users commonly do, reach the API server either way.
+  honoured), fieldRef to metadata.name/namespace/uid, spec.nodeName,
+  spec.serviceAccountName, status.podIP and status.hostIP, resourceFieldRef for CPU.
 - Init containers run in order, each to success, before the containers start.
-- Probes: httpGet and tcpSocket startup and readiness probes with their thresholds, at their
-  periodSeconds but at most every `max_probe_period` seconds (fast CI). Readiness is the
-  pod's Ready condition. restartPolicy Always: a container that exits is started again after
-  an exponential back-off, shown as CrashLoopBackOff with the last exit code.
-- `crash(pod)` SIGKILLs every process of a pod's containers, as an OOM kill or a crash
-  would; restartPolicy Always then starts them again.
-- Deletion is graceful: pods carry KUBELET_FINALIZER (the emulator has no graceful pod
-  deletion of its own), so a deleted pod stays Terminating while the preStop exec hooks run,
-  then SIGTERM goes to each container's main process (as a container runtime signals PID 1),
-  and what is left of its process group when terminationGracePeriodSeconds is over gets
-  SIGKILL. Then the finalizer goes and so does the pod.
-
-Not emulated: images (the host's files are the image), users and security contexts,
-resource limits, liveness probes, volumes other than emptyDir and configMap, RBAC (the
-kubeconfig's user may do anything).
+- Probes: httpGet and tcpSocket startup, readiness and liveness probes with their thresholds;
+  startup and readiness probes at their periodSeconds but at most every `max_probe_period`
+  seconds (fast CI), liveness probes at theirs. restartPolicy
+  Always: a container that exits is started again after an exponential back-off, shown as
+  CrashLoopBackOff with the last exit code.
+- Deletion: the preStop exec hooks run, then SIGTERM goes to each container's main process
+  (as a container runtime signals PID 1), and what is left of its process group when the
+  grace period is over gets SIGKILL; the pod's network goes, and the pod object is deleted
+  for good (grace period 0, the pod's uid as precondition).
 """
 
 from __future__ import annotations
@@ -47,46 +41,41 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import json
 import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from pagedllm.kernels import cpu_extension
-from pagedllm.operator.children import METRICS_PORT_ANNOTATION
-from pagedllm.operator.kube import KubeClient, KubeError, now_rfc3339
-from pagedllm_testing.deployment_standin import KUBELET_FINALIZER, is_terminating
+from pagedllm_testing.cluster.kubelet import pod_network
+from pagedllm_testing.cluster.kubelet.api import ApiError
+from pagedllm_testing.cluster.kubelet.node import now
 
-HOST_PORTS_ANNOTATION = "e2e.pagedllm.io/host-ports"
-LOOPBACK = "127.0.0.1"
-# The ENV lines of manifests/Dockerfile: what the image gives every container. Its CPU kernels
-# are built into the image; here, the machine's own build stands in (see LocalCluster).
-IMAGE_ENV = {
-    "PYTHONUNBUFFERED": "1",
-    "PYTHONDONTWRITEBYTECODE": "1",
-    cpu_extension.KERNEL_DIR_ENV: str(cpu_extension.build_dir().parent),
-}
+if TYPE_CHECKING:
+    from pagedllm_testing.cluster.kubelet.kubelet import Kubelet
+
 DEFAULT_GRACE_SECONDS = 30
 MAX_RESTART_BACKOFF = 20.0
 POLL_SECONDS = 0.1
-CONFIG_MAP_REFRESH_SECONDS = 1.0
-
-
-def local_url(pod: Mapping[str, Any], port: int = 8000) -> str:
-    """The pod's container port on loopback (this stand-in's mapping of it)."""
-    ports = json.loads(pod["metadata"]["annotations"][HOST_PORTS_ANNOTATION])
-    return f"http://{LOOPBACK}:{ports[str(port)]}"
+CONFIG_MAP_REFRESH_SECONDS = 2.0
+# Mounted where they are (in the pod's mount namespace), not rewritten: in-cluster clients
+# read these fixed paths.
+BIND_MOUNTED = "/var/run/secrets"
+TOKEN_SECONDS = 3607
+KUBERNETES_NAMES = ("", ".default", ".default.svc", ".default.svc.cluster.local")
+# Runs the container's command with the pod's bind mounts: `sh -c SCRIPT sh SRC DST ... --
+# ARGV`; each `exec` keeps the process id, so the runtime's pid is the command's.
+MOUNT_SCRIPT = (
+    'while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 126; shift 2; done; shift; exec "$@"'
+)
 
 
 def cpu_quantity(text: str) -> float:
@@ -113,48 +102,44 @@ class PodConfigError(Exception):
     """The pod cannot start as specified (a missing Secret key, an unsupported volume)."""
 
 
-def free_port(taken: set[int]) -> int:
-    while True:
-        with socket.socket() as sock:
-            sock.bind((LOOPBACK, 0))
-            port = sock.getsockname()[1]
-        if port not in taken:
-            taken.add(port)
-            return port
+VOLUME_KINDS = ("emptyDir", "configMap", "secret", "downwardAPI", "projected")
 
 
 def volume_dirs(pod_spec: Mapping[str, Any], pod_dir: Path) -> dict[str, Path]:
     dirs = {}
     for volume in pod_spec.get("volumes") or []:
-        if "emptyDir" not in volume and "configMap" not in volume:
+        if not any(kind in volume for kind in VOLUME_KINDS):
             raise PodConfigError(
-                f"volume {volume['name']}: only emptyDir and configMap volumes run here"
+                f"volume {volume['name']}: only {', '.join(VOLUME_KINDS)} volumes run here"
             )
-        dirs[volume["name"]] = pod_dir / volume["name"]
+        dirs[volume["name"]] = pod_dir / "volumes" / volume["name"]
     return dirs
 
 
-def config_map_files(
-    source: Mapping[str, Any], config_map: Mapping[str, Any] | None
+def keyed_files(
+    source: Mapping[str, Any], obj: Mapping[str, Any] | None, what: str, *, secret: bool = False
 ) -> dict[str, str]:
-    """What a configMap volume holds: relative path -> content (its keys, or its `items`);
-    PodConfigError for a ConfigMap or key that is missing and not optional."""
-    name = source.get("name", "")
+    """What a configMap or secret volume (or projection) holds: relative path -> content (its
+    keys, or its `items`); PodConfigError for an object or key that is missing and not
+    optional."""
+    name = source.get("name") or source.get("secretName") or ""
     optional = bool(source.get("optional"))
-    if config_map is None:
+    if obj is None:
         if optional:
             return {}
-        raise PodConfigError(f'configmap "{name}" not found')
-    data = config_map.get("data") or {}
+        raise PodConfigError(f'{what} "{name}" not found')
+    data = dict(obj.get("data") or {})
+    if secret:
+        data = {k: base64.b64decode(v).decode() for k, v in data.items()}
     items = source.get("items")
     if items is None:
-        return dict(data)
+        return data
     files = {}
     for item in items:
         if item["key"] not in data:
             if optional:
                 continue
-            raise PodConfigError(f'configmap "{name}" key "{item["key"]}" not found')
+            raise PodConfigError(f'{what} "{name}" key "{item["key"]}" not found')
         files[item["path"]] = data[item["key"]]
     return files
 
@@ -162,6 +147,7 @@ def config_map_files(
 def project_files(directory: Path, files: Mapping[str, str]) -> None:
     """Make `directory` hold exactly `files`, each changed one replaced atomically (a reader
     sees the old content or the new one, never half of it)."""
+    directory.mkdir(parents=True, exist_ok=True)
     for relative, content in files.items():
         path = directory / relative
         if path.is_file() and path.read_text() == content:
@@ -184,42 +170,22 @@ def mounts_of(container: Mapping[str, Any], dirs: Mapping[str, Path]) -> list[tu
     return sorted(mounts, key=lambda mount: len(mount[0]), reverse=True)
 
 
+def is_bind_mounted(mount_path: str) -> bool:
+    return mount_path == BIND_MOUNTED or mount_path.startswith(BIND_MOUNTED + "/")
+
+
 def rewrite_path(text: str, mounts: Sequence[tuple[str, Path]]) -> str:
-    """A path under a mount moved to the mount's directory (also in `--flag=PATH`)."""
+    """A path under a mount moved to the mount's directory (also in `--flag=PATH`); paths
+    under bind-mounted volumes stay as they are."""
     if text.startswith("-") and "=" in text:
         flag, _, value = text.partition("=")
         return f"{flag}={rewrite_path(value, mounts)}"
     for mount_path, directory in mounts:
+        if is_bind_mounted(mount_path):
+            continue
         if text == mount_path or text.startswith(mount_path + "/"):
             return str(directory) + text[len(mount_path) :]
     return text
-
-
-def local_args(
-    args: Sequence[str], host_ports: Mapping[int, int], mounts: Sequence[tuple[str, Path]]
-) -> list[str]:
-    result: list[str] = []
-    for arg in args:
-        previous = result[-1] if result else ""
-        if previous == "--host":
-            result.append(LOOPBACK)
-        elif previous == "--port" and arg.isdigit() and int(arg) in host_ports:
-            result.append(str(host_ports[int(arg)]))
-        elif arg.startswith("--port=") and arg[7:].isdigit() and int(arg[7:]) in host_ports:
-            result.append(f"--port={host_ports[int(arg[7:])]}")
-        elif arg.startswith("--host="):
-            result.append(f"--host={LOOPBACK}")
-        else:
-            result.append(rewrite_path(arg, mounts))
-    return result
-
-
-def declared_ports(pod_spec: Mapping[str, Any]) -> list[dict[str, Any]]:
-    return [
-        port
-        for container in pod_spec.get("containers") or []
-        for port in container.get("ports") or []
-    ]
 
 
 def process_group_members(pgid: int) -> list[int]:
@@ -283,7 +249,7 @@ class ContainerRun:
             "lastState": {"terminated": self.last_terminated} if self.last_terminated else {},
         }
         if self.process is not None:
-            status["containerID"] = f"local://{self.process.pid}"
+            status["containerID"] = f"process://{self.process.pid}"
         return status
 
 
@@ -294,38 +260,42 @@ def _terminated(code: int, started_at: str) -> dict[str, Any]:
             "signal": -code,
             "reason": "Error",
             "startedAt": started_at,
-            "finishedAt": now_rfc3339(),
+            "finishedAt": now(),
         }
     return {
         "exitCode": code,
         "reason": "Completed" if code == 0 else "Error",
         "startedAt": started_at,
-        "finishedAt": now_rfc3339(),
+        "finishedAt": now(),
     }
 
 
 class LocalPod:
     """One pod's containers as local processes, and the Pod status they amount to."""
 
-    def __init__(self, kubelet: KubeletStandin, pod: dict[str, Any]):
+    def __init__(self, kubelet: Kubelet, pod: dict[str, Any]):
         self.kubelet = kubelet
-        self.name = pod["metadata"]["name"]
-        self.uid = pod["metadata"]["uid"]
+        meta = pod["metadata"]
+        self.name, self.namespace, self.uid = meta["name"], meta["namespace"], meta["uid"]
+        self.path = f"/api/v1/namespaces/{self.namespace}/pods/{self.name}"
         self.spec = pod["spec"]
-        self.annotations = pod["metadata"].get("annotations") or {}
-        self.dir = kubelet.root / self.name
+        self.dir = kubelet.root / "pods" / f"{self.namespace}_{self.name}"
         self.dirs: dict[str, Path] = {}
-        self.host_ports: dict[int, int] = {}
+        self.network: pod_network.PodNetwork | None = None
         self.init_containers = [ContainerRun(c) for c in self.spec.get("initContainers") or []]
         self.containers = [ContainerRun(c) for c in self.spec.get("containers") or []]
         self.initialized = not self.init_containers
-        self.created_at = now_rfc3339()
+        self.created_at = now()
         self.process_groups: list[int] = []
         self.terminating = False
         self.finished = False
         self.task: asyncio.Task[None] | None = None
         self._published: dict[str, Any] | None = None
         self._publish_lock = asyncio.Lock()
+
+    @property
+    def ip(self) -> str:
+        return self.network.address if self.network is not None else ""
 
     def log_path(self, container: ContainerRun) -> Path:
         return self.dir / f"{container.name}.log"
@@ -352,13 +322,13 @@ class LocalPod:
                 "lastTransitionTime": self.created_at,
             }
 
-        return {
+        status: dict[str, Any] = {
             "phase": phase,
-            "hostIP": LOOPBACK,
-            "podIP": LOOPBACK,
-            "podIPs": [{"ip": LOOPBACK}],
+            "hostIP": self.kubelet.host_address,
+            "hostIPs": [{"ip": self.kubelet.host_address}],
             "startTime": self.created_at,
             "conditions": [
+                condition("PodReadyToStartContainers", self.network is not None),
                 condition("PodScheduled", True),
                 condition("Initialized", self.initialized),
                 condition("ContainersReady", ready),
@@ -367,75 +337,136 @@ class LocalPod:
             "initContainerStatuses": [c.status() for c in self.init_containers],
             "containerStatuses": [c.status() for c in self.containers],
         }
+        if self.ip:
+            status["podIP"], status["podIPs"] = self.ip, [{"ip": self.ip}]
+        return status
 
     async def publish(self, *, api: bool = True) -> None:
         async with self._publish_lock:
             status = self.status()
             if status == self._published or not api:
                 return
-            await self.kubelet.kube.merge_patch(
-                "v1",
-                "Pod",
-                self.name,
-                self.kubelet.namespace,
-                {"status": status},
-                subresource="status",
-                missing_ok=True,
+            await self.kubelet.api.merge_patch(
+                f"{self.path}/status", {"metadata": {"uid": self.uid}, "status": status}
             )
             self._published = status
 
     # --- starting ----------------------------------------------------------------------------
 
     async def prepare(self) -> None:
-        """Directories and ports, recorded on the pod before anything starts."""
+        """The pod's network and volumes, before anything starts."""
         self.dirs = volume_dirs(self.spec, self.dir)
         for directory in [self.dir, *self.dirs.values()]:
             directory.mkdir(parents=True, exist_ok=True)
-        for name in self.config_map_names():
-            obj = await self.kubelet.kube.get("v1", "ConfigMap", name, self.kubelet.namespace)
-            self.project_config_maps({name: obj} if obj is not None else {})
-        ports = declared_ports(self.spec)
-        self.host_ports = {p["containerPort"]: free_port(self.kubelet.ports_taken) for p in ports}
-        annotations = {
-            HOST_PORTS_ANNOTATION: json.dumps({str(k): v for k, v in self.host_ports.items()})
-        }
-        metrics_port = self._metrics_container_port(ports)
-        if metrics_port in self.host_ports:
-            annotations[METRICS_PORT_ANNOTATION] = str(self.host_ports[metrics_port])
-        await self.kubelet.kube.merge_patch(
-            "v1",
-            "Pod",
-            self.name,
-            self.kubelet.namespace,
-            {"metadata": {"annotations": annotations}},
-            missing_ok=True,
+        await self.write_volumes()
+        if self.network is None:
+            address = pod_network.allocate(self.kubelet.ipam, self.kubelet.bridge, self.uid)
+            self.network = address
+            pod_network.create(address)
+
+    def write_hosts(self) -> Path:
+        """The pod's /etc/hosts, as the kubelet writes one: localhost, the pod's own name and,
+        standing in for cluster DNS and the `kubernetes` Service, the apiserver's address."""
+        hosts = self.dir / "etc-hosts"
+        names = " ".join(f"kubernetes{suffix}" for suffix in KUBERNETES_NAMES)
+        hosts.write_text(
+            "# Kubernetes-managed hosts file (the process kubelet's).\n"
+            "127.0.0.1\tlocalhost\n"
+            "::1\tlocalhost ip6-localhost ip6-loopback\n"
+            f"{self.ip}\t{self.name}\n"
+            f"{self.kubelet.apiserver_host}\t{names}\n"
         )
+        return hosts
 
-    def config_map_names(self) -> list[str]:
-        return [v["configMap"]["name"] for v in self.spec.get("volumes") or [] if "configMap" in v]
-
-    def project_config_maps(self, config_maps: Mapping[str, Mapping[str, Any]]) -> None:
-        """Write (or refresh) every configMap volume from `config_maps` (name -> object)."""
+    async def write_volumes(self, *, refresh: bool = False) -> None:
+        """Every configMap, secret, downwardAPI and projected volume written (or, with
+        ``refresh``, the configMap ones brought up to date)."""
         for volume in self.spec.get("volumes") or []:
-            source = volume.get("configMap")
-            if source is not None:
-                files = config_map_files(source, config_maps.get(source["name"]))
-                project_files(self.dirs[volume["name"]], files)
+            if "emptyDir" in volume or (refresh and "configMap" not in volume):
+                continue
+            sources = (volume.get("projected") or {}).get("sources") or [volume]
+            files: dict[str, str] = {}
+            for source in sources:
+                files.update(await self._source_files(source))
+            project_files(self.dirs[volume["name"]], files)
 
-    def _metrics_container_port(self, ports: Sequence[Mapping[str, Any]]) -> int | None:
-        declared = self.annotations.get("prometheus.io/port")
-        if declared and declared.isdigit():
-            return int(declared)
-        return next((p["containerPort"] for p in ports if p.get("name") == "http"), None)
+    async def _source_files(self, source: Mapping[str, Any]) -> dict[str, str]:
+        if "configMap" in source:
+            ref = source["configMap"]
+            obj = await self._object("configmaps", ref["name"])
+            return keyed_files(ref, obj, "configmap")
+        if "secret" in source:
+            ref = source["secret"]
+            name = ref.get("secretName") or ref.get("name")
+            return keyed_files(ref, await self._object("secrets", name), "secret", secret=True)
+        if "downwardAPI" in source:
+            items = source["downwardAPI"].get("items") or []
+            return {item["path"]: self._field(item["fieldRef"]["fieldPath"]) for item in items}
+        if "serviceAccountToken" in source:
+            ref = source["serviceAccountToken"]
+            return {ref["path"]: await self._token(ref)}
+        raise PodConfigError(f"volume source {sorted(source)} is not emulated")
+
+    async def _object(self, resource: str, name: str) -> dict[str, Any] | None:
+        return await self.kubelet.api.get(f"/api/v1/namespaces/{self.namespace}/{resource}/{name}")
+
+    async def _token(self, ref: Mapping[str, Any]) -> str:
+        """A token of the pod's ServiceAccount bound to the pod (TokenRequest), as the kubelet
+        gets it."""
+        account = self.spec.get("serviceAccountName") or "default"
+        spec: dict[str, Any] = {
+            "expirationSeconds": int(ref.get("expirationSeconds", TOKEN_SECONDS)),
+            "boundObjectRef": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": self.name,
+                "uid": self.uid,
+            },
+        }
+        if ref.get("audience"):
+            spec["audiences"] = [ref["audience"]]
+        path = f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{account}/token"
+        try:
+            answer = await self.kubelet.api.request(
+                "POST",
+                path,
+                body={
+                    "apiVersion": "authentication.k8s.io/v1",
+                    "kind": "TokenRequest",
+                    "spec": spec,
+                },
+            )
+        except ApiError as error:
+            raise PodConfigError(f"token of serviceaccount {account}: {error}") from error
+        assert answer is not None
+        return str(answer["status"]["token"])
+
+    def _field(self, path: str) -> str:
+        values = {
+            "metadata.name": self.name,
+            "metadata.namespace": self.namespace,
+            "metadata.uid": self.uid,
+            "spec.nodeName": self.kubelet.node.name,
+            "spec.serviceAccountName": self.spec.get("serviceAccountName") or "default",
+            "status.podIP": self.ip,
+            "status.hostIP": self.kubelet.host_address,
+        }
+        if path not in values:
+            raise PodConfigError(f"fieldRef {path} is not emulated")
+        return values[path]
 
     async def _env(
         self, container: Mapping[str, Any], mounts: Sequence[tuple[str, Path]]
     ) -> dict[str, str]:
-        env = {"PATH": self.kubelet.path_variable, "HOSTNAME": self.name, **IMAGE_ENV}
-        if self.kubelet.kubeconfig is not None and self.spec.get(
-            "automountServiceAccountToken", True
-        ):
-            env["KUBECONFIG"] = str(self.kubelet.kubeconfig)
+        env = {
+            "PATH": self.kubelet.path_variable,
+            "HOSTNAME": self.name,
+            **self.kubelet.image_env,
+            # The apiserver itself: no kube-proxy routes the `kubernetes` Service's ClusterIP.
+            "KUBERNETES_SERVICE_HOST": self.kubelet.apiserver_host,
+            "KUBERNETES_SERVICE_PORT": str(self.kubelet.apiserver_port),
+            "KUBERNETES_SERVICE_PORT_HTTPS": str(self.kubelet.apiserver_port),
+        }
         tmp = next((directory for path, directory in mounts if path == "/tmp"), None)
         if tmp is not None:
             env["TMPDIR"] = str(tmp)
@@ -456,23 +487,15 @@ class LocalPod:
             return resource_field(container, resource_ref, name)
         field_ref = source.get("fieldRef")
         if field_ref is not None:
-            values = {
-                "metadata.name": self.name,
-                "metadata.namespace": self.kubelet.namespace,
-                "status.podIP": LOOPBACK,
-            }
-            if field_ref.get("fieldPath") not in values:
-                raise PodConfigError(
-                    f"env {name}: fieldRef {field_ref.get('fieldPath')} is not emulated"
-                )
-            return values[field_ref["fieldPath"]]
-        for kind, object_kind in (("secretKeyRef", "Secret"), ("configMapKeyRef", "ConfigMap")):
+            try:
+                return self._field(field_ref.get("fieldPath", ""))
+            except PodConfigError as error:
+                raise PodConfigError(f"env {name}: {error}") from None
+        for kind, resource in (("secretKeyRef", "secrets"), ("configMapKeyRef", "configmaps")):
             ref = source.get(kind)
             if ref is None:
                 continue
-            obj = await self.kubelet.kube.get(
-                "v1", object_kind, ref["name"], self.kubelet.namespace
-            )
+            obj = await self._object(resource, ref["name"])
             data = (obj or {}).get("data") or {}
             if ref["key"] not in data:
                 if ref.get("optional"):
@@ -483,13 +506,41 @@ class LocalPod:
             return base64.b64decode(value).decode() if kind == "secretKeyRef" else value
         raise PodConfigError(f"env {name}: unsupported valueFrom {sorted(source)}")
 
-    def _spawn(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        log: Path,
+        mounts: Sequence[tuple[str, Path]],
+    ) -> subprocess.Popen[bytes]:
         executable = shutil.which(argv[0], path=env["PATH"])
         if executable is None:
             raise FileNotFoundError(f'exec: "{argv[0]}": executable file not found in $PATH')
+        assert self.network is not None
+        binds = [str(self.write_hosts()), "/etc/hosts"]
+        for path, directory in mounts:
+            if is_bind_mounted(path):
+                Path(path).mkdir(parents=True, exist_ok=True)  # the mount point, empty
+                binds += [str(directory), path]
+        wrapped = [
+            "nsenter",
+            f"--net={self.network.namespace_path}",
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            MOUNT_SCRIPT,
+            "sh",
+            *binds,
+            "--",
+            executable,
+            *argv[1:],
+        ]
         with log.open("ab") as out:
             process = subprocess.Popen(
-                [executable, *argv[1:]],
+                wrapped,
                 env=env,
                 cwd=self.dir,
                 stdin=subprocess.DEVNULL,
@@ -509,9 +560,9 @@ class LocalPod:
             raise PodConfigError(
                 f"container {run.name}: no command (the image's own entrypoint is not known here)"
             )
-        argv = [*command, *local_args(spec.get("args") or [], self.host_ports, mounts)]
-        run.process = self._spawn(argv, run.env, self.log_path(run))
-        run.started_at = now_rfc3339()
+        argv = [*command, *(rewrite_path(a, mounts) for a in spec.get("args") or [])]
+        run.process = self._spawn(argv, run.env, self.log_path(run), mounts)
+        run.started_at = now()
         run.waiting = None
         run.terminated = None
         run.started = run.ready = False
@@ -521,19 +572,26 @@ class LocalPod:
     async def run(self) -> None:
         try:
             await self._run()
+        except asyncio.CancelledError:
+            raise
         except Exception:
+            self.dir.mkdir(parents=True, exist_ok=True)
             with (self.dir / "kubelet.log").open("a") as log:
-                log.write(f"the kubelet stand-in failed on this pod:\n{traceback.format_exc()}")
+                log.write(f"the kubelet failed on this pod:\n{traceback.format_exc()}")
             raise
 
     async def _run(self) -> None:
-        try:
-            await self.prepare()
-        except PodConfigError as error:
-            for run in [*self.init_containers, *self.containers]:
-                run.waiting = ("CreateContainerConfigError", str(error))
-            await self.publish()
-            return
+        # A missing ConfigMap or Secret (or the namespace's kube-root-ca.crt not published
+        # yet) holds the pod in ContainerCreating, retried as the kubelet retries it.
+        while True:
+            try:
+                await self.prepare()
+                break
+            except PodConfigError as error:
+                for run in [*self.init_containers, *self.containers]:
+                    run.waiting = ("CreateContainerConfigError", str(error))
+                await self.publish()
+                await asyncio.sleep(1.0)
         await self.publish()
         for init in self.init_containers:
             await self._run_until_success(init)
@@ -554,14 +612,17 @@ class LocalPod:
                     await self.publish()
                     return
                 run.last_terminated, run.terminated = run.terminated, None
-                run.restarts += 1
-                run.waiting = (
-                    "CrashLoopBackOff",
-                    f"back-off {backoff:g}s restarting failed container={run.name} pod={self.name}",
-                )
+                self._back_off(run, backoff)
                 await self.publish()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_RESTART_BACKOFF)
+
+    def _back_off(self, run: ContainerRun, backoff: float) -> None:
+        run.restarts += 1
+        run.waiting = (
+            "CrashLoopBackOff",
+            f"back-off {backoff:g}s restarting failed container={run.name} pod={self.name}",
+        )
 
     async def _start_or_wait(self, run: ContainerRun) -> bool:
         try:
@@ -582,12 +643,8 @@ class LocalPod:
                 await self._probe_until_exit(run)
                 assert run.process is not None
                 run.last_terminated = _terminated(run.process.returncode, run.started_at)
-                run.restarts += 1
                 run.ready = run.started = False
-                run.waiting = (
-                    "CrashLoopBackOff",
-                    f"back-off {backoff:g}s restarting failed container={run.name} pod={self.name}",
-                )
+                self._back_off(run, backoff)
                 await self.publish()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_RESTART_BACKOFF)
@@ -603,6 +660,7 @@ class LocalPod:
     async def _probe_until_exit(self, run: ContainerRun) -> None:
         startup = run.spec.get("startupProbe")
         readiness = run.spec.get("readinessProbe")
+        liveness = run.spec.get("livenessProbe")
         first = startup or readiness
         if first:
             await self._sleep_while_running(
@@ -619,7 +677,8 @@ class LocalPod:
                 break
             await self._sleep_while_running(run, self._period(startup))
         run.started = run.running
-        failures = 0
+        failures = live_failures = 0
+        next_liveness = time.monotonic() + float((liveness or {}).get("initialDelaySeconds", 0))
         while run.running:
             if readiness is None:
                 run.ready = True
@@ -629,6 +688,12 @@ class LocalPod:
                 failures += 1
                 if failures >= readiness.get("failureThreshold", 3):
                     run.ready = False
+            if liveness is not None and time.monotonic() >= next_liveness:
+                # At its own period, not shortened: a restart is no test's shortcut.
+                next_liveness = time.monotonic() + float(liveness.get("periodSeconds", 10))
+                live_failures = 0 if await self._probe(run, liveness) else live_failures + 1
+                if live_failures >= liveness.get("failureThreshold", 3):
+                    _kill_group(run.process.pid, signal.SIGKILL)  # type: ignore[union-attr]
             await self.publish()
             await self._sleep_while_running(
                 run, self._period(readiness) if readiness else POLL_SECONDS * 5
@@ -637,11 +702,12 @@ class LocalPod:
 
     def _probe_port(self, run: ContainerRun, port: int | str) -> int | None:
         if isinstance(port, str) and not port.isdigit():
-            port = next(
+            found = next(
                 (p["containerPort"] for p in run.spec.get("ports") or [] if p.get("name") == port),
-                -1,
+                None,
             )
-        return self.host_ports.get(int(port))
+            return int(found) if found is not None else None
+        return int(port)
 
     async def _probe(self, run: ContainerRun, probe: Mapping[str, Any]) -> bool:
         timeout = float(probe.get("timeoutSeconds", 1))
@@ -651,8 +717,8 @@ class LocalPod:
             if port is None:
                 return False
             try:
-                response = await self.kubelet.http.get(
-                    f"http://{LOOPBACK}:{port}{action.get('path', '/')}", timeout=timeout
+                response = await self.kubelet.probes.get(
+                    f"http://{self.ip}:{port}{action.get('path', '/')}", timeout=timeout
                 )
             except httpx.HTTPError:
                 return False
@@ -662,7 +728,7 @@ class LocalPod:
             if port is None:
                 return False
             try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(LOOPBACK, port), timeout)
+                _, writer = await asyncio.wait_for(asyncio.open_connection(self.ip, port), timeout)
             except (OSError, asyncio.TimeoutError):
                 return False
             writer.close()
@@ -672,8 +738,8 @@ class LocalPod:
     # --- stopping ----------------------------------------------------------------------------
 
     async def terminate(self, grace: float, *, api: bool = True) -> None:
-        """Graceful stop: preStop hooks, SIGTERM, SIGKILL after the grace period, and (with
-        `api`) the finalizer removed so the pod object goes."""
+        """Graceful stop: preStop hooks, SIGTERM, SIGKILL after the grace period, the network
+        removed, and (with `api`) the pod object deleted."""
         self.terminating = True
         deadline = time.monotonic() + grace
         if self.task is not None:
@@ -681,7 +747,7 @@ class LocalPod:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.task
         running = [c for c in [*self.init_containers, *self.containers] if c.running]
-        with contextlib.suppress(KubeError):
+        with contextlib.suppress(ApiError, httpx.HTTPError):
             await self.publish(api=api)
         await asyncio.gather(*(self._pre_stop(c, deadline) for c in running))
         for run in running:
@@ -698,17 +764,34 @@ class LocalPod:
             )
             run.ready = False
         self.finished = True
+        self.remove_network()
         if api:
-            with contextlib.suppress(KubeError):
+            with contextlib.suppress(ApiError, httpx.HTTPError):
                 await self.publish()
-                await self.kubelet.release(self.name)
+                await self.kubelet.api.request(
+                    "DELETE",
+                    self.path,
+                    body={
+                        "apiVersion": "v1",
+                        "kind": "DeleteOptions",
+                        "gracePeriodSeconds": 0,
+                        "preconditions": {"uid": self.uid},
+                    },
+                    missing_ok=True,
+                )
+
+    def remove_network(self) -> None:
+        if self.network is not None:
+            pod_network.delete(self.network, self.kubelet.ipam)
+            self.network = None
 
     async def _pre_stop(self, run: ContainerRun, deadline: float) -> None:
         hook = ((run.spec.get("lifecycle") or {}).get("preStop") or {}).get("exec")
         if not hook:
             return
+        mounts = mounts_of(run.spec, self.dirs)
         try:
-            process = self._spawn(list(hook["command"]), run.env, self.log_path(run))
+            process = self._spawn(list(hook["command"]), run.env, self.log_path(run), mounts)
         except OSError as error:
             with self.log_path(run).open("a") as log:
                 log.write(f"preStop hook failed: {error}\n")
@@ -730,130 +813,3 @@ class LocalPod:
 
     def live_processes(self) -> list[int]:
         return [pid for pgid in self.process_groups for pid in process_group_members(pgid)]
-
-
-class KubeletStandin:
-    """All pods of one namespace, started, probed and stopped as the real kubelet would."""
-
-    def __init__(
-        self,
-        kube: KubeClient,
-        namespace: str,
-        root: Path,
-        bin_dirs: Sequence[str],
-        max_probe_period: float = 1.0,
-        kubeconfig: Path | None = None,
-    ):
-        self.kube = kube
-        # What pods with service-account credentials get (see the module's docstring).
-        self.kubeconfig = kubeconfig
-        self.namespace = namespace
-        self.root = root
-        self.path_variable = os.pathsep.join([*bin_dirs, os.environ.get("PATH", "")])
-        self.max_probe_period = max_probe_period
-        self.pods: dict[str, LocalPod] = {}
-        self.ports_taken: set[int] = set()
-        self.http = httpx.AsyncClient(trust_env=False)
-        self._stopping: set[asyncio.Task[None]] = set()
-        self._config_maps_refreshed = 0.0
-
-    async def shutdown(self) -> None:
-        """Kill every pod process at once (the node is lost) and stop all pod work."""
-        tasks = [*self._stopping, *(p.task for p in self.pods.values() if p.task)]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self.kill_everything()
-        await self.http.aclose()
-
-    async def sync(self) -> None:
-        pods = await self.kube.list("v1", "Pod", self.namespace)
-        seen = set()
-        for pod in pods:
-            uid = pod["metadata"]["uid"]
-            seen.add(uid)
-            local = self.pods.get(uid)
-            if is_terminating(pod):
-                if local is None:
-                    await self.release(pod["metadata"]["name"])
-                elif not local.terminating:
-                    grace = pod["metadata"].get(
-                        "deletionGracePeriodSeconds",
-                        pod["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS),
-                    )
-                    self._stop(local.terminate(float(grace)))
-                continue
-            if local is None:
-                if not pod["spec"].get("nodeName"):
-                    continue  # not scheduled yet (see scheduler_standin)
-                local = self.pods[uid] = LocalPod(self, pod)
-                local.task = asyncio.get_running_loop().create_task(local.run())
-        await self._refresh_config_maps()
-        for uid, local in self.pods.items():
-            if uid not in seen and not local.terminating:
-                # Removed without a graceful deletion (e.g. forced): stop it all the same.
-                grace = local.spec.get("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS)
-                self._stop(local.terminate(float(grace), api=False))
-
-    async def _refresh_config_maps(self) -> None:
-        """Bring the running pods' configMap volumes up to date (one list for them all)."""
-        running = [
-            p for p in self.pods.values() if p.dirs and not p.terminating and p.config_map_names()
-        ]
-        now = time.monotonic()
-        if not running or now - self._config_maps_refreshed < CONFIG_MAP_REFRESH_SECONDS:
-            return
-        self._config_maps_refreshed = now
-        listed = await self.kube.list("v1", "ConfigMap", self.namespace)
-        config_maps = {item["metadata"]["name"]: item for item in listed}
-        for local in running:
-            try:
-                local.project_config_maps(config_maps)
-            except PodConfigError:
-                pass  # a ConfigMap deleted under a running pod: its files stay as they were
-
-    async def release(self, pod_name: str) -> None:
-        """Drop this kubelet's finalizer: the API server may now remove the pod."""
-        pod = await self.kube.get("v1", "Pod", pod_name, self.namespace)
-        if pod is None:
-            return
-        others = [f for f in pod["metadata"].get("finalizers") or [] if f != KUBELET_FINALIZER]
-        await self.kube.merge_patch(
-            "v1",
-            "Pod",
-            pod_name,
-            self.namespace,
-            {"metadata": {"finalizers": others or None}},
-            missing_ok=True,
-        )
-
-    def _stop(self, coroutine: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
-
-    def crash(self, pod_name: str) -> list[int]:
-        """SIGKILL every live process of the pod's containers (an OOM kill, a crash); the
-        containers then restart as usual. The processes killed."""
-        local = next(p for p in self.pods.values() if p.name == pod_name)
-        killed = local.live_processes()
-        for pid in killed:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        return killed
-
-    def kill_everything(self) -> None:
-        for local in self.pods.values():
-            local.kill_all()
-
-    def live_processes(self) -> dict[str, list[int]]:
-        """Pod name -> processes still alive of all it ever started."""
-        alive = {local.name: local.live_processes() for local in self.pods.values()}
-        return {name: pids for name, pids in alive.items() if pids}
-
-    def logs(self) -> dict[str, Path]:
-        return {
-            f"{local.name}/{path.stem}": path
-            for local in self.pods.values()
-            for path in sorted(local.dir.glob("*.log"))
-        }
