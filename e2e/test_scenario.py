@@ -11,12 +11,12 @@ duration; a failure prints the objects, the components' and the pods' logs.
 
 from __future__ import annotations
 
-import datetime
 import json
 import re
 import shutil
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -32,6 +32,7 @@ from pagedllm.operator.kube import FIELD_MANAGER
 from pagedllm.router.discovery import USER_AGENT as ROUTER_AGENT
 from pagedllm_testing.client_checks import MAX_TOKENS, KeepStreaming, Load, StreamStats, run_checks
 from pagedllm_testing.client_checks import client as openai_client
+from pagedllm_testing.cluster.kubelet.node import now
 from pagedllm_testing.cluster_autoscaler_standin import (
     ClusterAutoscalerStandin,
     NodeGroup,
@@ -93,6 +94,11 @@ NODE_TIMERS = Timers(scale_up_delay=4, scale_down_delay=2, eviction_retry=1)
 # hash of its tokens, which spreads distinct prompts over the pods.
 SPREAD_PROMPTS = 24
 POD_TEMPLATE_HASH = "pod-template-hash"
+METRICS_ADAPTER = REPO / "e2e" / "custom-metrics-adapter.yaml"
+METRICS_API_SERVICE = "v1beta2.custom.metrics.k8s.io"
+HPA = f"/apis/autoscaling/v2/namespaces/{NAMESPACE}/horizontalpodautoscalers/{NAME}"
+HPA_METRIC = "vllm_num_requests_waiting"
+HPA_USER = "system:serviceaccount:kube-system:horizontal-pod-autoscaler"
 # The audit log's verbs that change something.
 MUTATING_VERBS = ("create", "update", "patch", "delete", "deletecollection")
 OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR}"
@@ -242,7 +248,7 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         eventually(lambda: ready_with(cluster, 2), timeout=30, what="2 serving pods")
         everything = cluster.list(PODS, INSTANCE_SELECTOR)
         assert len(everything) == 2 + ROUTERS
-        running = set(cluster.pod_processes()) - operator_pods(cluster)
+        running = set(cluster.pod_processes()) - system_pods(cluster)
         assert running == {p["metadata"]["name"] for p in everything}
         steps.say(cluster.kubectl("get", "pllm,deploy,pods,svc", "-o", "wide"))
         eventually(
@@ -306,6 +312,7 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
         finite_capacity(cluster, base_url, steps)
 
     gitops_runs.append(operator_autoscaling(cluster, base_url, steps))
+    hpa_autoscaling(cluster, base_url, steps)
 
     with steps(
         "GitOps stand-in (server-side apply, own field manager, no spec.replicas) meanwhile"
@@ -330,7 +337,7 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
                 "No resources found"
                 in cluster.kubectl(
                     "get",
-                    "deploy,rs,svc,pdb,pods,sa,role,rolebinding",
+                    "deploy,rs,svc,pdb,hpa,pods,sa,role,rolebinding",
                     "-l",
                     INSTANCE_SELECTOR,
                 )
@@ -339,9 +346,9 @@ def journey(cluster: LocalCluster, steps: Steps) -> None:
             what="the PagedLLM's children to be gone",
         )
         eventually(
-            lambda: set(cluster.pod_processes()) <= operator_pods(cluster),
+            lambda: set(cluster.pod_processes()) <= system_pods(cluster),
             timeout=30,
-            what="every pod process but the operator's to exit",
+            what="every pod process but the operator's and the metrics adapter's to exit",
         )
 
     with steps("the audit log: the operator's and the routers' requests, all as their accounts"):
@@ -395,9 +402,10 @@ def scenario_manifest() -> dict[str, Any]:
     return manifest
 
 
-def operator_pods(cluster: LocalCluster) -> set[str]:
-    pods = cluster.list(f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/pods")
-    return {p["metadata"]["name"] for p in pods}
+def system_pods(cluster: LocalCluster) -> set[str]:
+    """The pods of other namespaces than the PagedLLM's: the operator, the metrics adapter."""
+    pods = cluster.list("/api/v1/pods")
+    return {p["metadata"]["name"] for p in pods if p["metadata"]["namespace"] != NAMESPACE}
 
 
 def gitops_standin(cluster: LocalCluster, autoscaling: bool = True) -> GitOpsStandin:
@@ -431,10 +439,91 @@ def audit_after(cluster: LocalCluster, since: str) -> list[dict[str, Any]]:
     return [e for e in cluster.audit_events() if e.get("requestReceivedTimestamp", "") >= since]
 
 
+def hpa_autoscaling(cluster: LocalCluster, base_url: str, steps: Steps) -> None:
+    """`mode: hpa`: the operator makes an HPA over the PagedLLM's /scale, and the real HPA
+    controller scales it on the waiting requests it reads through the custom-metrics API (the
+    tests' adapter stand-in, registered as an APIService)."""
+    with steps(
+        "mode: hpa (min 1): a custom-metrics adapter (stand-in) registered as an APIService, "
+        "the operator's HPA active on vllm_num_requests_waiting"
+    ):
+        cluster.kubectl("apply", "-f", str(METRICS_ADAPTER))
+        cluster.kubectl(
+            "wait",
+            "--for=condition=Available",
+            f"apiservice/{METRICS_API_SERVICE}",
+            "--timeout=120s",
+            timeout=140,
+        )
+        patch_spec(cluster, {"autoscaling": {**AUTOSCALING, "mode": "hpa", "minReplicas": 1}})
+        # The HPA leaves a target at zero alone: one replica to start from.
+        cluster.kubectl("scale", f"pllm/{NAME}", "--replicas=1")
+        eventually(lambda: ready_with(cluster, 1), timeout=120, what="1 replica serving")
+        values = eventually(lambda: custom_metric(cluster), timeout=30, what="the custom metric")
+        steps.say(f"   {HPA_METRIC} per pod through the aggregation layer: {values}")
+        active = eventually(
+            lambda: (
+                hpa_condition(cluster, "ScalingActive").get("status") == "True"
+                and hpa_condition(cluster, "ScalingActive")
+            ),
+            timeout=60,
+            what="the HPA to read the metric",
+        )
+        steps.say(f"   ScalingActive: {active.get('message')}")
+
+    since = now(micro=True)
+    with steps("the load generator again: the HPA controller scales /scale up (target 2 a pod)"):
+        with Load(base_url, MODEL, LOAD_CLIENTS) as load:
+            eventually(
+                lambda: pagedllm(cluster)["spec"]["replicas"] > 1,
+                timeout=90,
+                what="the HPA to scale up",
+            )
+            grown = eventually(
+                lambda: scaled_up_and_serving(cluster),
+                timeout=150,
+                what="the added replicas to serve",
+            )
+            hpa = cluster.get(HPA)
+            assert hpa is not None
+            steps.say(
+                f"   {grown} replicas serve; HPA current metrics "
+                f"{json.dumps(hpa['status'].get('currentMetrics'))}"
+            )
+        assert load.stats.requests > 0
+        scalers = {
+            e["user"]["username"]
+            for e in audit_after(cluster, since)
+            if e["verb"] in ("update", "patch")
+            and e.get("objectRef", {}).get("resource") == "pagedllms"
+            and e["objectRef"].get("subresource") == "scale"
+        }
+        steps.say(f"   /scale written by {', '.join(sorted(scalers))}")
+        assert HPA_USER in scalers, scalers
+        assert OPERATOR_USER not in scalers, "the operator scaled in HPA mode"
+
+    with steps("load stops: the HPA scales back to minReplicas 1"):
+        eventually(lambda: ready_with(cluster, 1), timeout=120, what="back to 1 replica")
+
+
+def custom_metric(cluster: LocalCluster) -> dict[str, str] | None:
+    """Pod -> value of the HPA's metric, as the custom-metrics API serves it."""
+    selector = urllib.parse.quote(SELECTOR)
+    path = f"/apis/custom.metrics.k8s.io/v1beta2/namespaces/{NAMESPACE}/pods/*/{HPA_METRIC}"
+    listed = cluster.get(f"{path}?labelSelector={selector}")
+    items = (listed or {}).get("items") or []
+    return {i["describedObject"]["name"]: i["value"] for i in items} or None
+
+
+def hpa_condition(cluster: LocalCluster, kind: str) -> dict[str, Any]:
+    hpa = cluster.get(HPA) or {}
+    return condition(hpa, kind)
+
+
 def operator_is_quiet(cluster: LocalCluster, steps: Steps) -> None:
     """The operator's requests (its own client's and kopf's) over a few resyncs of a settled
     PagedLLM, from the apiserver's audit log: reads only."""
-    since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    since = now(micro=True)
     time.sleep(QUIET_RESYNCS * float(FAST_OPERATOR_ENV["PAGEDLLM_OPERATOR_RESYNC_SECONDS"]) + 1)
     seen = [e for e in audit_after(cluster, since) if e["user"]["username"] == OPERATOR_USER]
     writes = [f"{e['verb']} {e['requestURI']}" for e in seen if e["verb"] in MUTATING_VERBS]
