@@ -51,8 +51,9 @@ e2e: install-test cluster-bin
 cluster-bin:
 	PYTHONPATH=testing $(PYTHON) -P -m pagedllm_testing.cluster.binary
 
-# A real control plane on this machine (root: its network is a bridge of its own); prints
-# KUBECONFIG=.cluster/kubeconfig. `make cluster-down` stops it and removes its network.
+# A real control plane on this machine with a process kubelet for a system node and two GPU
+# nodes, all Ready (root: a bridge of its own, a network namespace a pod); prints
+# KUBECONFIG=.cluster/kubeconfig. `make cluster-down` stops it all and removes its network.
 cluster: install-test cluster-bin
 	$(BIN)/python -P -m pagedllm_testing.cluster up
 

@@ -138,6 +138,50 @@ async def _routers_in_front(live: Live, owner: Owner, spec: PagedLLMSpec) -> boo
     return ((routers or {}).get("status") or {}).get("readyReplicas", 0) > 0
 
 
+async def _apply(
+    ctx: OperatorContext,
+    owner: Owner,
+    wanted: Mapping[str, Any],
+    existing: Mapping[str, Any] | None,
+) -> None:
+    """Server-side apply of a child; where that cannot make it what the operator wants, the
+    rest put back with a JSON merge patch.
+
+    Apply owns only what the operator sets: entries another manager added to a keyed list (a
+    Service port or a container's env var edited by hand: ports are keyed by port and
+    protocol, env vars by name) stay beside the operator's. The merged object is then either
+    invalid (two ports named "http": 422, nothing written) or still not the manifest. The
+    top-level field that differs (such as spec) is then merge-patched: each list in it becomes
+    the operator's whole list, and what the API server and others set elsewhere stays."""
+    try:
+        applied: Mapping[str, Any] = await ctx.kube.apply(wanted)
+    except ApiError as error:
+        if existing is None or error.status != 422:
+            raise
+        applied = existing
+    remaining = first_difference(wanted, applied)
+    field_name = (remaining or "").strip("/").split("/")[0]
+    if field_name not in wanted:
+        return
+    metadata = wanted["metadata"]
+    logger.info(
+        "%s/%s: %s %s differs at %s after apply; merge-patching its %s",
+        owner.namespace,
+        owner.name,
+        wanted["kind"],
+        metadata["name"],
+        remaining,
+        field_name,
+    )
+    await ctx.kube.merge_patch(
+        wanted["apiVersion"],
+        wanted["kind"],
+        metadata["name"],
+        owner.namespace,
+        {field_name: wanted[field_name]},
+    )
+
+
 async def _apply_children(
     ctx: OperatorContext,
     owner: Owner,
@@ -180,7 +224,7 @@ async def _apply_children(
                 name,
                 difference,
             )
-        await ctx.kube.apply(wanted)
+        await _apply(ctx, owner, wanted, existing)
     for ref in children.unwanted:
         existing = await live.get(ref.api_version, ref.kind, ref.name)
         if existing is not None and _owned_by(existing, owner):

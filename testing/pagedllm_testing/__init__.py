@@ -1,4 +1,5 @@
 """Test support for PagedLLM, shared by `tests/` and `e2e/`: a real Kubernetes control plane
-(`pagedllm_testing.cluster`, built from Kubernetes' Go modules), the Kubernetes API emulator
-(`pagedllm_testing.emulator`) and the stand-ins of a cluster's controllers that the journey
-still runs on, and the harnesses that start servers, routers and operators."""
+(`pagedllm_testing.cluster`, built from Kubernetes' Go modules) with a process kubelet per node,
+the stand-ins for what these machines cannot run (each says so in its first line;
+docs/contributing.md lists them), and the harnesses that start servers, routers and
+operators."""

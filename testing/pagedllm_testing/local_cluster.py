@@ -232,7 +232,7 @@ class LocalCluster:
             text=True,
             capture_output=True,
             timeout=timeout,
-            env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
+            env=self.control_plane.kubectl_env(),
         )
         if check and result.returncode != 0:
             raise AssertionError(

@@ -1,13 +1,21 @@
-"""Helpers of the operator suite: a small REST client for the API emulator, polling, and the
-real operator (`kopf run -m pagedllm.operator`) as a child process with fast timers."""
+"""Helpers of the operator suite: a small REST client for the test cluster's kube-apiserver
+(pagedllm_testing.cluster), its audit log read as it grows, polling, a TCP forwarder that stands
+between a client and the apiserver, and the real operator (`kopf run -m pagedllm.operator`) as a
+child process with fast timers."""
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import os
+import socket
+import socketserver
+import ssl
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,14 +26,12 @@ import yaml
 from pagedllm.operator.children import (
     Owner,
 )
+from pagedllm.operator.kube import now_rfc3339
 from pagedllm.router.discovery import (
     SERVICE_NAME_LABEL,
 )
-
-# Re-exported for the fixtures (explicit `as` marks the re-export).
 from pagedllm_testing.cluster import binary
-from pagedllm_testing.emulator import EmulatorThread as EmulatorThread
-from pagedllm_testing.emulator import kubeconfig_text as kubeconfig_text
+from pagedllm_testing.cluster.control_plane import ControlPlane
 from pagedllm_testing.polling import eventually as _eventually
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,6 +39,15 @@ REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "pagedllm.yaml"
 SAMPLES = REPO / "manifests" / "samples"
 PLLM = "/apis/pagedllm.io/v1alpha1"
+# spec.router as the CRD's defaults fill it in.
+ROUTER_DEFAULTS = {
+    "enabled": True,
+    "replicas": 2,
+    "policy": "prefix",
+    "loadBound": 1.25,
+    "maxHeldRequests": 64,
+    "holdTimeoutSeconds": 600,
+}
 
 # Fast loops: the suite waits on the operator, so its timers set the pace.
 OPERATOR_ENV = {
@@ -62,7 +77,12 @@ def kubectl_for(kubeconfig: Path, namespace: str) -> Kubectl:
             text=True,
             capture_output=True,
             timeout=60,
-            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+            # A discovery cache of this cluster's own (kubectl keys it by the server's address).
+            env={
+                **os.environ,
+                "KUBECONFIG": str(kubeconfig),
+                "KUBECACHEDIR": str(kubeconfig.parent / "kubectl-cache"),
+            },
         )
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed:\n{result.stderr}")
@@ -72,10 +92,19 @@ def kubectl_for(kubeconfig: Path, namespace: str) -> Kubectl:
 
 
 class Kube:
-    """Plain REST calls to the emulator, as any client would make them."""
+    """Plain REST calls to an API server, as any client would make them (User-Agent
+    python-httpx, which tells the test's requests from the operator's in the audit log)."""
 
-    def __init__(self, url: str):
-        self.http = httpx.Client(base_url=url, timeout=10)
+    def __init__(self, url: str, verify: ssl.SSLContext | bool = True):
+        self.http = httpx.Client(base_url=url, verify=verify, timeout=10, trust_env=False)
+
+    @classmethod
+    def admin(cls, cluster: ControlPlane) -> Kube:
+        """The cluster's admin (system:masters) by client certificate, the cluster CA trusted."""
+        return cls(cluster.server, verify=cluster.ssl_context(cluster.admin))
+
+    def close(self) -> None:
+        self.http.close()
 
     def request(
         self,
@@ -93,7 +122,11 @@ class Kube:
             headers={"Content-Type": content_type},
         )
         if response.status_code >= 400:
-            raise KubeError(response.status_code, response.json())
+            try:
+                body = response.json()
+            except ValueError:  # e.g. "404 page not found" for a group that is not served
+                body = {"message": response.text}
+            raise KubeError(response.status_code, body)
         return response.json()
 
     def get(self, path: str) -> dict[str, Any] | None:
@@ -124,8 +157,109 @@ class KubeError(Exception):
         self.body = body
 
 
-# The operator suite polls the in-process emulator more often than the e2e scenario does.
+# The operator suite polls a local apiserver more often than the e2e scenario does.
 eventually = functools.partial(_eventually, interval=0.1)
+
+
+class AuditLog:
+    """A cluster's audit log (one audit.k8s.io/v1 Event a line), from where it ended when
+    the reader was made: each `read()` parses only what was written since the last."""
+
+    def __init__(self, cluster: ControlPlane):
+        self.path = cluster.layout.audit_log
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+        self.events: list[dict[str, Any]] = []
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every event since the reader was made, in the order the apiserver wrote them (as
+        requests finished)."""
+        with self.path.open("rb") as log:
+            log.seek(self.offset)
+            data = log.read()
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next read
+        self.offset += end
+        self.events += [json.loads(line) for line in data[:end].splitlines() if line]
+        return self.events
+
+
+def token_id(token: str) -> str:
+    """The credential id the apiserver's audit log names a service-account token by: JTI=
+    and the token's jti claim."""
+    payload = token.split(".")[1]
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    return f"JTI={claims['jti']}"
+
+
+class TcpProxy:
+    """A TCP forwarder from a loopback port to `target` (host, port), in threads of its own.
+    TLS passes through untouched: a client verifies the apiserver's certificate (which names
+    127.0.0.1) and presents its own as if it were connected directly.
+    `delay` holds every piece of the server's answers back that many seconds."""
+
+    def __init__(self, target: tuple[str, int], port: int = 0):
+        self.target = target
+        self.delay = 0.0
+        self._sockets: list[socket.socket] = []
+        proxy = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                proxy._forward(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True
+            daemon_threads = True
+
+        self.server = Server(("127.0.0.1", port), Handler)
+        self.port: int = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def _forward(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self.target, timeout=10)
+        except OSError:
+            return
+        upstream.settimeout(None)
+        self._sockets += [client, upstream]
+
+        def pump(source: socket.socket, sink: socket.socket, delayed: bool) -> None:
+            try:
+                while data := source.recv(65536):
+                    if delayed and self.delay:
+                        time.sleep(self.delay)
+                    sink.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for end in (source, sink):
+                    try:
+                        end.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        back = threading.Thread(target=pump, args=(upstream, client, True), daemon=True)
+        back.start()
+        pump(client, upstream, False)
+        back.join()
+        upstream.close()
+
+    def __enter__(self) -> TcpProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        for connection in self._sockets:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=10)
 
 
 def load_crd() -> dict[str, Any]:
@@ -299,6 +433,87 @@ def mark_deployment_ready(kube: Kube, namespace: str, name: str, ready: int) -> 
             }
         },
     )
+
+
+def host_address(cluster: ControlPlane) -> str:
+    """This machine's address on the cluster's bridge: an address an EndpointSlice may name
+    (the apiserver refuses loopback ones) at which a local process listening on every
+    interface is reached."""
+    return cluster.current.advertise_address
+
+
+def pods_path(namespace: str, name: str = "") -> str:
+    return f"/api/v1/namespaces/{namespace}/pods" + (f"/{name}" if name else "")
+
+
+def create_node(kube: Kube, name: str) -> dict[str, Any]:
+    """A Node as a kubelet registers it, before its first status: the apiserver taints it
+    not-ready (NoSchedule), so the scheduler places nothing there, and the node lifecycle
+    controller leaves it and its pods alone for its startup grace period (60 s)."""
+    return kube.create("/api/v1/nodes", {"metadata": {"name": name}})
+
+
+def bind(kube: Kube, namespace: str, pod: str, node: str) -> None:
+    """The scheduler's write: `pod` bound to `node` through the binding subresource."""
+    kube.create(
+        pods_path(namespace, pod) + "/binding",
+        {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": pod},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        },
+    )
+
+
+def report_running(kube: Kube, namespace: str, pod: str, ip: str, ready: bool = True) -> None:
+    """What the kubelet reports once the pod's containers run and (if `ready`) pass their
+    readiness probes."""
+    containers = kube.get(pods_path(namespace, pod))["spec"]["containers"]
+    flag = "True" if ready else "False"
+    kube.merge(
+        pods_path(namespace, pod) + "/status",
+        {
+            "status": {
+                "phase": "Running",
+                "podIP": ip,
+                "podIPs": [{"ip": ip}],
+                "conditions": [
+                    {"type": "PodScheduled", "status": "True"},
+                    {"type": "Initialized", "status": "True"},
+                    {"type": "ContainersReady", "status": flag},
+                    {"type": "Ready", "status": flag},
+                ],
+                "containerStatuses": [
+                    {
+                        "name": c["name"],
+                        "image": c["image"],
+                        "imageID": "",
+                        "ready": ready,
+                        "restartCount": 0,
+                        "started": True,
+                        "state": {"running": {"startedAt": now_rfc3339()}},
+                    }
+                    for c in containers
+                ],
+            }
+        },
+    )
+
+
+def confirm_terminated(kube: Kube, namespace: str) -> int:
+    """The kubelet's last word on pods being deleted gracefully from a node: their containers
+    are gone, so it deletes them for good (grace period 0). How many pods are left."""
+    pods = kube.list(pods_path(namespace))
+    for pod in pods:
+        if pod["metadata"].get("deletionTimestamp"):
+            try:
+                path = pods_path(namespace, pod["metadata"]["name"])
+                kube.request("DELETE", path, {"gracePeriodSeconds": 0})
+            except KubeError as error:
+                if error.status != 404:
+                    raise
+    return len(pods)
 
 
 SERVICE = "demo-serving"

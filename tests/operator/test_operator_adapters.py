@@ -192,6 +192,8 @@ def test_status_counts_the_pods_serving_each_adapter() -> None:
 
 @pytest.mark.usefixtures("crd", "operator_process")
 def test_the_operator_keeps_the_list_and_the_status(kube: Kube, namespace: str) -> None:
+    """The operator writes the adapters' ConfigMap, status.adapters, follows a changed list and
+    puts back a ConfigMap deleted by hand."""
     kube.create(
         pllm_path(namespace),
         pagedllm(

@@ -1,4 +1,5 @@
-"""The built-in autoscaler end to end: pods' /metrics served by real local HTTP endpoints."""
+"""The built-in autoscaler end to end on the real kube-apiserver: pods' /metrics served by real
+local HTTP endpoints (the pods' statuses written by the test, as envtest's tests do)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from typing import Any
 
 import pytest
 
-from pagedllm_testing.operator_harness import PLLM, Kube, eventually, pagedllm
+from pagedllm_testing.operator_harness import OPERATOR_ENV, PLLM, Kube, eventually, pagedllm
 
 pytestmark = pytest.mark.usefixtures("crd", "operator_process")
+
+RESYNC_SECONDS = float(OPERATOR_ENV["PAGEDLLM_OPERATOR_RESYNC_SECONDS"])
 
 
 class MetricsEndpoint:
@@ -93,9 +96,14 @@ def add_ready_pod(
     )
 
 
+SCALE_DOWN_DELAY = 4.0
+
+
 def test_scales_up_at_once_within_bounds_and_down_after_the_delay(
     kube: Kube, namespace: str, endpoints: list[MetricsEndpoint]
 ) -> None:
+    """10 requests in flight scale up to maxReplicas at once; when the load goes, /scale goes
+    to zero only once scaleDownDelaySeconds of lower load have been observed."""
     path = f"{PLLM}/namespaces/{namespace}/pagedllms/demo"
     deployment = f"/apis/apps/v1/namespaces/{namespace}/deployments/demo"
     kube.create(
@@ -109,7 +117,7 @@ def test_scales_up_at_once_within_bounds_and_down_after_the_delay(
                     "maxReplicas": 3,
                     "metric": "inflightRequests",
                     "target": 2,
-                    "scaleDownDelaySeconds": 4,
+                    "scaleDownDelaySeconds": int(SCALE_DOWN_DELAY),
                 },
             },
         ),
@@ -135,13 +143,15 @@ def test_scales_up_at_once_within_bounds_and_down_after_the_delay(
     add_ready_pod(kube, namespace, "demo-1", "demo", endpoints[1])
     add_ready_pod(kube, namespace, "demo-2", "demo", endpoints[2])
     endpoints[0].running = 0
-    time.sleep(1.5)
-    assert kube.get(path)["spec"]["replicas"] == 3
+    idle_since = time.monotonic()
     eventually(
         lambda: kube.get(path)["spec"]["replicas"] == 0,
         timeout=10,
         what="scale to zero after the delay",
     )
+    # The window of lower load begins after the last sample of the high load, which a resync
+    # took up to a resync period (and that resync's own duration) before the load went.
+    assert time.monotonic() - idle_since >= SCALE_DOWN_DELAY - 2 * RESYNC_SECONDS
     eventually(lambda: kube.get(deployment)["spec"]["replicas"] == 0)
     ready = eventually(
         lambda: next(

@@ -16,7 +16,7 @@ import yaml
 
 from pagedllm.operator.spec import InvalidSpec, parse_model_uri, parse_spec
 from pagedllm_testing.cluster.control_plane import ControlPlane
-from pagedllm_testing.operator_harness import CRD_PATH, SAMPLES, load_crd
+from pagedllm_testing.operator_harness import CRD_PATH, ROUTER_DEFAULTS, SAMPLES, load_crd
 
 CRD = load_crd()
 (VERSION,) = CRD["spec"]["versions"]
@@ -111,14 +111,7 @@ def test_operator_defaults_are_the_schema_defaults(cluster: ControlPlane) -> Non
     )
     stored = defaulted(cluster, bare)
     assert stored["spec"]["engine"]["blockSize"] == 16
-    assert stored["spec"]["router"] == {
-        "enabled": True,
-        "replicas": 2,
-        "policy": "prefix",
-        "loadBound": 1.25,
-        "maxHeldRequests": 64,
-        "holdTimeoutSeconds": 600,
-    }
+    assert stored["spec"]["router"] == ROUTER_DEFAULTS
     assert parse_spec(stored["spec"]) == parse_spec(bare["spec"])
     off = defaulted(cluster, resource(router={"enabled": False}))
     assert parse_spec(off["spec"]) == parse_spec(resource(router={"enabled": False})["spec"])

@@ -1,17 +1,56 @@
-"""The real kubectl against the emulator while the real operator runs: the user's workflow."""
+"""The user's workflow with the built kubectl while the real operator runs, on the session's
+control plane: the real Deployment controller reports readiness from the pods (bound to a Node
+of the test's and reported running as a kubelet would), and the real garbage collector removes
+the children with their PagedLLM."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from pagedllm_testing.operator_harness import CRD_PATH, SAMPLES, Kube, Kubectl, eventually
+from pagedllm_testing.cluster.control_plane import ControlPlane
+from pagedllm_testing.operator_harness import (
+    CRD_PATH,
+    SAMPLES,
+    Kube,
+    Kubectl,
+    bind,
+    confirm_terminated,
+    eventually,
+    pods_path,
+    report_running,
+)
 
 pytestmark = pytest.mark.usefixtures("operator_process")
 
 
-def test_apply_get_scale_wait_delete(kubectl: Kubectl, kube: Kube, namespace: str) -> None:
-    assert "created" in kubectl("apply", "-f", str(CRD_PATH)).stdout
-    kubectl("wait", "--for=condition=Established", "crd/pagedllms.pagedllm.io", "--timeout=10s")
+@pytest.fixture(scope="module")
+def cluster(control_plane: ControlPlane) -> ControlPlane:
+    return control_plane
+
+
+def run_pods(kube: Kube, namespace: str, node: str) -> int:
+    """Every pod of the namespace bound to `node` (where still unbound) and reported running
+    and ready; how many pods there are."""
+    pods = kube.list(pods_path(namespace))
+    for index, pod in enumerate(pods):
+        name = pod["metadata"]["name"]
+        if not pod["spec"].get("nodeName"):
+            bind(kube, namespace, name, node)
+        if (pod.get("status") or {}).get("phase") != "Running":
+            report_running(kube, namespace, name, ip=f"10.244.0.{index + 2}")
+    return len(pods)
+
+
+def test_apply_get_scale_wait_delete(
+    kubectl: Kubectl, kube: Kube, namespace: str, node: str
+) -> None:
+    """apply the CRD and the demo, see its columns, scale it, wait for Ready once its pods run,
+    patch it, have a bad patch refused, delete it and see its children go."""
+    applied = kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_PATH)).stdout
+    assert "customresourcedefinition.apiextensions.k8s.io/pagedllms.pagedllm.io" in applied
+    kubectl("wait", "--for=condition=Established", "crd/pagedllms.pagedllm.io", "--timeout=30s")
     assert (
         "pagedllm.pagedllm.io/demo created"
         in kubectl("apply", "-f", str(SAMPLES / "demo-cpu.yaml")).stdout
@@ -33,24 +72,17 @@ def test_apply_get_scale_wait_delete(kubectl: Kubectl, kube: Kube, namespace: st
         what="the Deployment to follow kubectl scale",
     )
 
-    # What the Deployment controller would report once the pods (and the routers in front of
-    # them) pass readiness.
-    for path in (deployment, f"{deployment}-router"):
-        live = kube.get(path)
-        replicas = live["spec"]["replicas"]
-        kube.merge(
-            path + "/status",
-            {
-                "status": {
-                    "observedGeneration": live["metadata"]["generation"],
-                    "replicas": replicas,
-                    "updatedReplicas": replicas,
-                    "readyReplicas": replicas,
-                    "availableReplicas": replicas,
-                }
-            },
-        )
-    kubectl("wait", "--for=condition=Ready", "pllm/demo", "--timeout=20s")
+    # The ReplicaSets' pods, three serving and two routers, come up on the node: the
+    # Deployment controller counts them ready, and the operator reports Ready.
+    eventually(lambda: run_pods(kube, namespace, node) == 5, timeout=30, what="five pods running")
+    kubectl("wait", "--for=condition=Ready", "pllm/demo", "--timeout=30s")
+    ready = kubectl(
+        "get", "deployments", "-o", "custom-columns=N:.metadata.name,R:.status.readyReplicas"
+    )
+    assert re.findall(r"^(\S+)\s+(\d+)$", ready.stdout, flags=re.M) == [
+        ("demo", "3"),
+        ("demo-router", "2"),
+    ]
 
     kubectl("patch", "pllm", "demo", "--type=merge", "-p", '{"spec":{"engine":{"maxNumSeqs":8}}}')
 
@@ -72,8 +104,14 @@ def test_apply_get_scale_wait_delete(kubectl: Kubectl, kube: Kube, namespace: st
     assert rejected.returncode != 0
     assert "minReplicas must not exceed maxReplicas" in rejected.stderr
 
-    kubectl("delete", "pllm", "demo", "--timeout=20s")
-    # Garbage-collected through its ownerReference, in the background as on a cluster (and
-    # again should the operator have written it once more just before the delete).
-    eventually(lambda: kube.get(deployment) is None, what="the Deployment to be collected")
+    kubectl("delete", "pllm", "demo", "--timeout=30s")
+
+    # The garbage collector follows the ownerReferences, in the background (and again should
+    # the operator have written a child once more just before the delete): the Deployments,
+    # then their ReplicaSets and pods, which the node's kubelet sees off.
+    def left() -> str:
+        confirm_terminated(kube, namespace)
+        return kubectl("get", "deployments,replicasets,pods,services", "-o", "name").stdout
+
+    eventually(lambda: left() == "", timeout=60, what="the children and their pods collected")
     assert "No resources found" in kubectl("get", "pllm").stderr

@@ -1,5 +1,6 @@
-"""Quiet resyncs: with 200 PagedLLMs settled, a resync writes nothing and reads one list per
-child kind, counted at the emulator; a spec change afterwards still reaches its child, and
+"""Quiet resyncs: with COUNT PagedLLMs settled, a resync writes nothing and reads one list per
+child kind, counted in the real kube-apiserver's audit log (the operator's requests are those
+with its client's and kopf's User-Agents); a spec change afterwards still reaches its child, and
 only that one."""
 
 from __future__ import annotations
@@ -7,23 +8,25 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pagedllm_testing.emulator.requests import RecordedRequest, RequestLog
+from pagedllm.operator.kube import FIELD_MANAGER
+from pagedllm_testing.cluster.control_plane import ControlPlane
 from pagedllm_testing.operator_harness import (
     KOPF_RUN,
     PLLM,
-    EmulatorThread,
+    AuditLog,
     Kube,
     OperatorProcess,
     pagedllm,
 )
 from pagedllm_testing.polling import eventually as _eventually
 
-COUNT = 200
+COUNT = 80
 RESYNCS = 3
 RESYNC_SECONDS = 2.0
 ENV = {
@@ -32,11 +35,13 @@ ENV = {
     "PAGEDLLM_OPERATOR_WATCH_TIMEOUT_SECONDS": "120",
     "PAGEDLLM_OPERATOR_DISCOVERY_CACHE_SECONDS": "3600",
 }
-# The test's own requests (httpx); everything else the emulator serves comes from the
-# operator process (its API client and kopf).
+MUTATING = {"create", "update", "patch", "delete", "deletecollection"}
+# The test's own requests (httpx); the operator's come from its client and kopf.
 TEST_AGENT = "python-httpx/"
 
 slow_poll = functools.partial(_eventually, interval=0.5)
+
+Event = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
@@ -50,60 +55,83 @@ def operator_process(
         process.stop()
 
 
-def by_operator(records: list[RecordedRequest]) -> list[RecordedRequest]:
-    return [r for r in records if not r.agent.startswith(TEST_AGENT)]
+def received(event: Event) -> datetime:
+    return datetime.fromisoformat(event["requestReceivedTimestamp"].replace("Z", "+00:00"))
+
+
+def by_operator(audit: AuditLog) -> list[Event]:
+    """The operator's finished requests so far (its API client's and kopf's), in the order
+    the apiserver received them."""
+    return sorted(
+        (
+            e
+            for e in audit.read()
+            if e["stage"] == "ResponseComplete"
+            and (e["userAgent"] == FIELD_MANAGER or e["userAgent"].startswith("kopf/"))
+        ),
+        key=received,
+    )
+
+
+def between(events: list[Event], start: datetime, end: datetime | None = None) -> list[Event]:
+    return [e for e in events if start <= received(e) and (end is None or received(e) < end)]
+
+
+def lists_deployments_of(namespace: str) -> Callable[[Event], bool]:
+    """A resync begins with one list per child kind per namespace, Deployments first."""
+    return lambda e: (
+        e["userAgent"] == FIELD_MANAGER
+        and e["verb"] == "list"
+        and e.get("objectRef", {}).get("resource") == "deployments"
+        and e["objectRef"].get("namespace") == namespace
+    )
 
 
 def resync_starts(
-    log: RequestLog, since: int, count: int, starts_resync: Callable[[RecordedRequest], bool]
-) -> list[int]:
-    """Where in the log the next `count` resyncs begin, waiting for them."""
+    audit: AuditLog, since: datetime, count: int, starts_resync: Callable[[Event], bool]
+) -> list[datetime]:
+    """When the next `count` resyncs after `since` began, waiting for them."""
 
-    def found() -> list[int] | None:
-        starts = [since + i for i, r in enumerate(log.since(since)) if starts_resync(r)]
+    def found() -> list[datetime] | None:
+        starts = [received(e) for e in between(by_operator(audit), since) if starts_resync(e)]
         return starts[:count] if len(starts) >= count else None
 
     return slow_poll(found, timeout=60 + 30 * count, what=f"{count} resyncs")
 
 
+def writes(events: list[Event]) -> list[Event]:
+    return [e for e in events if e["verb"] in MUTATING]
+
+
+def kind(event: Event) -> str:
+    """The event's verb and resource, the object's name left out, to sum calls per kind."""
+    ref = event.get("objectRef") or {}
+    resource = ref.get("resource", event["requestURI"])
+    if ref.get("subresource"):
+        resource += "/" + ref["subresource"]
+    return f"{event['verb']} {resource}"
+
+
 def quiet_resync(
-    log: RequestLog, since: int, starts_resync: Callable[[RecordedRequest], bool]
-) -> int:
-    """Where the first resync after `since` that wrote nothing ends: settled (children's own
+    audit: AuditLog, since: datetime, starts_resync: Callable[[Event], bool]
+) -> datetime:
+    """When the first resync after `since` that wrote nothing ended: settled (children's own
     events may still echo for a resync or two after the statuses are in)."""
-    first = resync_starts(log, since, 1, starts_resync)[0]
+    first = resync_starts(audit, since, 1, starts_resync)[0]
     for _ in range(3):
         try:
-            second = resync_starts(log, first + 1, 1, starts_resync)[0]
+            second = resync_starts(audit, first, 2, starts_resync)[1]
         except AssertionError:
             break  # a resync this long is not a quiet one
-        if not any(r.mutating for r in by_operator(log.records[first:second])):
+        if not writes(between(by_operator(audit), first, second)):
             return second
         first = second
-    window = by_operator(log.since(first))
-    writes = Counter(f"{r.method} {r.path}" for r in window if r.mutating)
+    window = between(by_operator(audit), first)
+    found = Counter(kind(e) for e in writes(window))
     raise AssertionError(
         f"no resync without writes: the last one (finished or not) sent "
-        f"{sum(writes.values())} writes, e.g. {list(writes)[:3]}, among {len(window)} requests"
+        f"{sum(found.values())} writes, e.g. {list(found)[:3]}, among {len(window)} requests"
     )
-
-
-def lists_deployments_of(namespace: str) -> Callable[[RecordedRequest], bool]:
-    """A resync begins with one list per child kind per namespace, Deployments first."""
-    path = f"/apis/apps/v1/namespaces/{namespace}/deployments"
-    return lambda r: r.method == "GET" and not r.watch and r.path == path
-
-
-def shape(path: str, namespace: str) -> str:
-    """A path with the object's name left out, to sum calls per kind."""
-    parts = path.split("/")
-    if namespace not in parts:
-        return path
-    at = parts.index(namespace)
-    parts[at] = "NS"
-    if len(parts) > at + 2:
-        parts[at + 2] = "NAME"
-    return "/".join(parts)
 
 
 def settled(kube: Kube, namespace: str) -> bool:
@@ -115,13 +143,15 @@ def settled(kube: Kube, namespace: str) -> bool:
 
 
 def test_steady_state_resyncs_write_nothing(
-    emulator: EmulatorThread,
+    cluster: ControlPlane,
     kube: Kube,
     namespace: str,
     operator_process: OperatorProcess,
     record_property: Callable[[str, object], None],
 ) -> None:
-    log = emulator.server.requests
+    """Settled, RESYNCS resyncs write nothing and read a list per child kind; then a spec
+    change writes exactly its child, and a child changed by hand is put back."""
+    audit = AuditLog(cluster)
     collection = f"{PLLM}/namespaces/{namespace}/pagedllms"
     for index in range(COUNT):
         name = f"m{index:03d}"
@@ -129,13 +159,13 @@ def test_steady_state_resyncs_write_nothing(
     slow_poll(lambda: settled(kube, namespace), timeout=400, what="every PagedLLM's status")
 
     starts_resync = lists_deployments_of(namespace)
-    second = quiet_resync(log, len(log), starts_resync)
+    second = quiet_resync(audit, datetime.min.replace(tzinfo=timezone.utc), starts_resync)
     cpu_before = operator_process.cpu_seconds()
-    starts = resync_starts(log, second, RESYNCS + 1, starts_resync)
+    starts = resync_starts(audit, second, RESYNCS + 1, starts_resync)
     cpu = operator_process.cpu_seconds() - cpu_before
-    window = by_operator(log.records[starts[0] : starts[-1]])
-    mutating = Counter(f"{r.method} {shape(r.path, namespace)}" for r in window if r.mutating)
-    reads = Counter(f"GET {shape(r.path, namespace)}" for r in window if r.verb == "GET")
+    window = between(by_operator(audit), starts[0], starts[-1])
+    mutating = Counter(kind(e) for e in writes(window))
+    reads = Counter(kind(e) for e in window if e["verb"] in ("get", "list"))
     reads_per_resync = sum(reads.values()) / RESYNCS
     print(
         f"\n{COUNT} PagedLLMs, {RESYNCS} resyncs: {sum(mutating.values())} writes, "
@@ -151,16 +181,24 @@ def test_steady_state_resyncs_write_nothing(
     assert reads_per_resync <= 16, dict(reads)
 
     # A spec change still reaches the children: exactly the one it changes.
-    since = len(log)
-    target = f"{collection}/m007"
+    kube.merge(f"{collection}/m007", {"spec": {"router": {"replicas": 3}}})
+    since = max(
+        received(e)
+        for e in audit.read()
+        if e["userAgent"].startswith(TEST_AGENT)
+        and e["verb"] == "patch"
+        and e.get("objectRef", {}).get("name") == "m007"
+    )
     router = f"/apis/apps/v1/namespaces/{namespace}/deployments/m007-router"
-    kube.merge(target, {"spec": {"router": {"replicas": 3}}})
     slow_poll(
         lambda: kube.get(router)["spec"]["replicas"] == 3, timeout=60, what="the router scaled"
     )
-    later = resync_starts(log, len(log), 2, starts_resync)
-    written = {r.path for r in by_operator(log.records[since : later[-1]]) if r.mutating}
-    assert {path for path in written if not path.startswith(target)} == {router}
+    later = resync_starts(audit, since, 2, starts_resync)
+    written = {
+        (e["objectRef"]["resource"], e["objectRef"]["name"])
+        for e in writes(between(by_operator(audit), since, later[-1]))
+    }
+    assert {w for w in written if w != ("pagedllms", "m007")} == {("deployments", "m007-router")}
 
     # A child changed by hand is put back by the next resync (Services raise no events the
     # operator reconciles on: the resync's comparison is what finds it).

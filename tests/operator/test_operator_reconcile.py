@@ -1,14 +1,17 @@
-"""The real operator against the API emulator: what a user of `kubectl apply` sees happen."""
+"""The real operator against the real kube-apiserver (envtest's: no controllers, the test writes
+the Deployments' and pods' statuses): what a user of `kubectl apply` sees happen."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
+from pagedllm.operator.kube import FIELD_MANAGER
+from pagedllm_testing.cluster.control_plane import ControlPlane
 from pagedllm_testing.operator_harness import (
     KOPF_RUN,
+    AuditLog,
     Kube,
     OperatorProcess,
     condition,
@@ -40,6 +43,9 @@ def mark_routers_ready(kube: Kube, namespace: str, name: str) -> None:
 
 
 def test_create_builds_owned_children_with_the_expected_pod(kube: Kube, namespace: str) -> None:
+    """A PagedLLM becomes its owned Deployment, Service and PodDisruptionBudget, with the pod
+    a hub model, GPU limits, an API key and a restricted security context call for; status
+    names its URL and selector."""
     kube.create(
         f"/api/v1/namespaces/{namespace}/secrets",
         {"metadata": {"name": "llm-key"}, "stringData": {"api-key": "s3cret"}},
@@ -124,6 +130,7 @@ def test_create_builds_owned_children_with_the_expected_pod(kube: Kube, namespac
 def test_spec_change_updates_the_template_and_observed_generation(
     kube: Kube, namespace: str
 ) -> None:
+    """A spec change reaches the pod template, and status.observedGeneration follows."""
     kube.create(pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"}}))
     eventually(lambda: kube.get(deployment_path(namespace, "demo")), what="the Deployment")
     eventually(lambda: condition(kube.get(pllm_path(namespace, "demo")), "Ready"))
@@ -145,6 +152,7 @@ def test_spec_change_updates_the_template_and_observed_generation(
 
 
 def test_children_deleted_by_hand_come_back(kube: Kube, namespace: str) -> None:
+    """A Deployment and a Service deleted by hand are created again."""
     kube.create(pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"}}))
     first = eventually(lambda: kube.get(deployment_path(namespace, "demo")))
     eventually(lambda: kube.get(service_path(namespace, "demo")))
@@ -161,7 +169,58 @@ def test_children_deleted_by_hand_come_back(kube: Kube, namespace: str) -> None:
     )
 
 
+def test_children_edited_by_hand_are_put_back(kube: Kube, namespace: str) -> None:
+    """Edits another manager makes inside the children's keyed lists, which server-side apply
+    alone would keep beside the operator's entries: a Service port changed (a second port
+    named "http" would make the applied Service invalid) and an env var added to the
+    serving container. Both are undone."""
+    kube.create(
+        pllm_path(namespace),
+        pagedllm("demo", {"model": {"servedName": "demo"}, "router": {"enabled": False}}),
+    )
+    deployment = eventually(lambda: kube.get(deployment_path(namespace, "demo")))
+    service = eventually(lambda: kube.get(service_path(namespace, "demo")))
+    ports = service["spec"]["ports"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+
+    kube.merge(
+        service_path(namespace, "demo"),
+        {"spec": {"ports": [{"name": "http", "port": ports[0]["port"] + 1}]}},
+    )
+    kube.request(
+        "PATCH",
+        deployment_path(namespace, "demo"),
+        {
+            "spec": {
+                "template": {
+                    "spec": {
+                        "containers": [
+                            {"name": container["name"], "env": [{"name": "EXTRA", "value": "1"}]}
+                        ]
+                    }
+                }
+            }
+        },
+        "application/strategic-merge-patch+json",
+    )
+    eventually(
+        lambda: kube.get(service_path(namespace, "demo"))["spec"]["ports"] == ports,
+        what="the Service's port put back",
+    )
+    eventually(
+        lambda: (
+            kube.get(deployment_path(namespace, "demo"))["spec"]["template"]["spec"]["containers"][
+                0
+            ]["env"]
+            == container["env"]
+        ),
+        what="the extra env var gone",
+    )
+
+
 def test_readiness_flows_from_deployment_to_the_ready_condition(kube: Kube, namespace: str) -> None:
+    """The Deployment's readyReplicas (written by the test, as the Deployment controller
+    would) become the Ready condition: 1/2, then Ready once the routers are ready too."""
     kube.create(
         pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"}, "replicas": 2})
     )
@@ -188,6 +247,8 @@ def test_readiness_flows_from_deployment_to_the_ready_condition(kube: Kube, name
 
 
 def test_scale_subresource_drives_deployment_replicas(kube: Kube, namespace: str) -> None:
+    """Writing /scale sets the Deployment's replicas; a PDB exists with more than one replica
+    only."""
     kube.create(pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"}}))
     eventually(lambda: kube.get(deployment_path(namespace, "demo")))
     assert kube.get(pdb_path(namespace, "demo")) is None
@@ -212,6 +273,8 @@ def test_scale_subresource_drives_deployment_replicas(kube: Kube, namespace: str
 
 
 def test_bad_spec_degrades_only_that_resource_and_recovers(kube: Kube, namespace: str) -> None:
+    """A PagedLLM naming a missing claim is Degraded with a Warning Event while another one is
+    served; once the claim exists, the retry serves it too."""
     kube.create(
         pllm_path(namespace),
         pagedllm("broken", {"model": {"uri": "pvc://weights/llama", "servedName": "llama"}}),
@@ -291,6 +354,9 @@ def add_pod(kube: Kube, namespace: str, name: str, owner: str, status: dict[str,
 
 
 def test_pod_problems_surface_as_conditions(kube: Kube, namespace: str) -> None:
+    """An unschedulable pod shows as Progressing WaitingForCapacity, a crash-looping one as
+    Degraded with a Warning Event (pods' statuses written by the test, as the scheduler and
+    the kubelet would)."""
     kube.create(
         pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"}, "replicas": 2})
     )
@@ -346,6 +412,8 @@ def test_pod_problems_surface_as_conditions(kube: Kube, namespace: str) -> None:
 
 
 def test_hpa_mode_targets_the_scale_subresource(kube: Kube, namespace: str) -> None:
+    """Autoscaling mode hpa makes an HPA on the PagedLLM's /scale with the KV-cache metric;
+    /scale written (as the HPA would) moves the Deployment, and the HPA goes with autoscaling."""
     kube.create(
         pllm_path(namespace),
         pagedllm(
@@ -383,9 +451,30 @@ def test_hpa_mode_targets_the_scale_subresource(kube: Kube, namespace: str) -> N
     eventually(lambda: kube.get(hpa_path) is None, what="the HPA to go without autoscaling")
 
 
+def resyncs_of(audit: AuditLog, namespace: str) -> int:
+    """How many resyncs of `namespace` the operator began since `audit` was made: each lists
+    the namespace's Deployments once."""
+    return sum(
+        1
+        for e in audit.read()
+        if e["userAgent"] == FIELD_MANAGER
+        and e["verb"] == "list"
+        and e.get("objectRef", {}).get("resource") == "deployments"
+        and e["objectRef"].get("namespace") == namespace
+    )
+
+
 def test_restart_duplicates_nothing(
-    kube: Kube, namespace: str, kubeconfig: Any, operator_process: OperatorProcess, tmp_path: Any
+    cluster: ControlPlane,
+    kube: Kube,
+    namespace: str,
+    kubeconfig: Any,
+    operator_process: OperatorProcess,
+    tmp_path: Any,
 ) -> None:
+    """A second operator process takes over the first one's children: after its resumed
+    reconcile and two resyncs of the namespace, every child is the one the first made, and
+    no kopf annotation or finalizer was left on the PagedLLM."""
     kube.create(
         pllm_path(namespace), pagedllm("demo", {"model": {"servedName": "demo"}, "replicas": 2})
     )
@@ -411,7 +500,8 @@ def test_restart_duplicates_nothing(
             lambda: "Handler 'reconcile_pagedllm' succeeded" in second.log(),
             what="the resumed reconcile",
         )
-        time.sleep(1.5)  # a few resync periods
+        audit = AuditLog(cluster)
+        eventually(lambda: resyncs_of(audit, namespace) >= 2, what="two resyncs of the namespace")
         deployments = kube.list(deployment_path(namespace))
         assert sorted(d["metadata"]["uid"] for d in deployments) == sorted(
             [before["deployment"]["metadata"]["uid"], before["routers"]["metadata"]["uid"]]

@@ -47,6 +47,9 @@ def router_condition(kube: Kube, namespace: str) -> dict[str, Any]:
 
 
 def test_routers_come_and_go_with_the_spec(kube: Kube, namespace: str) -> None:
+    """The routers' children appear owned, the Service moves to the routers once one is ready
+    and stays there, a child deleted by hand comes back, and with the router disabled they
+    go and the Service selects the serving pods again."""
     created = kube.create(
         pllm_path(namespace),
         pagedllm("demo", {"model": {"servedName": "demo"}, "replicas": 2}),
@@ -128,6 +131,7 @@ def test_routers_come_and_go_with_the_spec(kube: Kube, namespace: str) -> None:
 
 
 def test_a_name_taken_by_something_else_is_reported(kube: Kube, namespace: str) -> None:
+    """A Service of someone else's where the router's would go: Degraded, and it is left alone."""
     kube.create(
         f"/api/v1/namespaces/{namespace}/services",
         {

@@ -1,6 +1,7 @@
-"""The router's Kubernetes discovery against the API emulator: EndpointSlices as the
-EndpointSlice controller writes them, listed and watched through the `kubernetes` package
-with credentials from a kubeconfig (as a router outside a pod finds them)."""
+"""The router's Kubernetes discovery against the real kube-apiserver: EndpointSlices as the
+EndpointSlice controller writes them (the test writes them, as envtest's tests do), listed and
+watched through the `kubernetes` package with credentials from a kubeconfig (as a router
+outside a pod finds them)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 from pagedllm.router.discovery import (
-    SERVICE_NAME_LABEL,
+    USER_AGENT,
     DiscoveryError,
     DiscoveryTarget,
     EndpointSliceDiscovery,
@@ -24,14 +27,15 @@ from pagedllm.router.discovery import (
     ready_urls,
     slice_urls,
 )
-from pagedllm_testing.endpointslice_standin import build_slices
+from pagedllm_testing.cluster.control_plane import ADMIN_USER, ControlPlane, kubeconfig_text
 from pagedllm_testing.operator_harness import (
     SERVICE,
-    EmulatorThread,
+    AuditLog,
     Kube,
+    TcpProxy,
     endpoint,
     endpoint_slice,
-    kubeconfig_text,
+    eventually,
 )
 
 
@@ -123,13 +127,32 @@ def run_with_discovery(
     return seen.calls
 
 
+def watches_of(audit: AuditLog, namespace: str) -> int:
+    """How many watches of the namespace's EndpointSlices discovery has opened since `audit`
+    was made."""
+    return sum(
+        1
+        for e in audit.read()
+        if e["userAgent"] == USER_AGENT
+        and e["verb"] == "watch"
+        and e["stage"] == "ResponseStarted"
+        and e.get("objectRef", {}).get("resource") == "endpointslices"
+        and e["objectRef"].get("namespace") == namespace
+    )
+
+
 def test_follows_the_services_ready_endpoints(
+    cluster: ControlPlane,
     kube: Kube,
     kubeconfig: Path,
     namespace: str,
     slices_path: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Ready endpoints on the named port of the Service's slices, followed through slices
+    created, changed and deleted, each change on a watch resumed after the server ended the
+    one before."""
+    audit = AuditLog(cluster)
     kube.create(
         slices_path,
         endpoint_slice("a", [endpoint("10.0.0.1"), endpoint("10.0.0.2", ready=False)]),
@@ -144,7 +167,9 @@ def test_follows_the_services_ready_endpoints(
 
     async def changes(seen: Seen) -> None:
         await seen.until(["http://10.0.0.1:8000"])
-        await asyncio.sleep(1.5)
+        await asyncio.to_thread(
+            eventually, lambda: watches_of(audit, namespace) >= 2, what="a resumed watch"
+        )
         kube.create(slices_path, endpoint_slice("b", [endpoint("10.0.0.3")], port=9000))
         await seen.until(["http://10.0.0.1:8000", "http://10.0.0.3:9000"])
         kube.merge(
@@ -163,99 +188,76 @@ def test_follows_the_services_ready_endpoints(
 
 
 def test_waits_for_an_unreachable_api_then_follows_it(
-    namespace: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    cluster: ControlPlane,
+    kube: Kube,
+    namespace: str,
+    slices_path: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A router whose API server cannot be reached keeps retrying instead of failing, and a
-    router started before its Service has endpoints hears about them later."""
+    router started before its Service has endpoints hears about them later. The kubeconfig
+    names a port where nothing listens until a forwarder to the apiserver opens there."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     config = tmp_path / "config"
-    config.write_text(kubeconfig_text(f"http://127.0.0.1:{port}"))
+    config.write_text(
+        kubeconfig_text(f"https://127.0.0.1:{port}", cluster.ca, ADMIN_USER, client=cluster.admin)
+    )
     discovery = discovery_from_kubeconfig(
         config, monkeypatch, namespace, watch_timeout_seconds=1, max_backoff_seconds=0.5
     )
-    path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+    address = urlsplit(cluster.server)
+
+    def retries() -> int:
+        failed = f"discovery of {namespace}/{SERVICE} failed, retrying"
+        return sum(1 for record in caplog.records if record.getMessage().startswith(failed))
 
     async def changes(seen: Seen) -> None:
-        await asyncio.sleep(2)  # several refused attempts
+        await asyncio.to_thread(eventually, lambda: retries() >= 3, what="refused attempts")
         assert seen.calls == []
-        with EmulatorThread(port=port) as late:
-            kube = Kube(late.url)
-            kube.create("/api/v1/namespaces", {"metadata": {"name": namespace}})
+        with TcpProxy((address.hostname or "127.0.0.1", address.port or 443), port=port):
             await seen.until([])
-            kube.create(path, endpoint_slice("a", [endpoint("10.0.0.1")]))
+            kube.create(slices_path, endpoint_slice("a", [endpoint("10.0.0.1")]))
             await seen.until(["http://10.0.0.1:8000"])
 
     run_with_discovery(discovery, changes)
 
 
 def test_an_expired_watch_means_listing_again(
-    emulator: EmulatorThread,
+    cluster: ControlPlane,
     kube: Kube,
     kubeconfig: Path,
     namespace: str,
     slices_path: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """A watch resumed from a resourceVersion the apiserver's watch cache no longer reaches
+    back to (it started over, from a list at a later version, when the apiserver restarted)
+    is answered 410 Gone, which discovery takes as its cue to list again."""
     discovery = discovery_from_kubeconfig(kubeconfig, monkeypatch, namespace)
     kube.create(slices_path, endpoint_slice("a", [endpoint("10.0.0.1")]))
+    slices, version = discovery._list()
+    assert list(slices) == ["a"]
+    # Writes after the list move the cluster's resourceVersion past it.
     for index in range(3):
         kube.create(
-            "/api/v1/namespaces/default/configmaps", {"metadata": {"name": f"{namespace}-{index}"}}
+            f"/api/v1/namespaces/{namespace}/configmaps", {"metadata": {"name": f"c-{index}"}}
         )
-    # The API server's history no longer reaches back to resourceVersion 1.
-    del emulator.emulator.event_log[:-1]
-    with pytest.raises(_Expired):
-        discovery._watch({}, "1", lambda urls: None, threading.Event())
+    cluster.stop("kube-apiserver")
+    cluster.up()
 
+    def expired() -> bool:
+        try:
+            discovery._watch(slices, version, lambda urls: None, threading.Event())
+        except _Expired:
+            return True
+        except ApiException as error:
+            if error.status == 429:  # the watch cache still filling after the restart
+                return False
+            raise
+        raise AssertionError(f"a watch from {version} was served after the restart")
 
-def test_endpointslice_standin_publishes_what_discovery_reads() -> None:
-    """The e2e cluster's EndpointSlice controller stand-in: one slice per pod (their loopback
-    ports differ), ready only while Ready and not terminating."""
-    service = {
-        "metadata": {"name": SERVICE, "namespace": "ns", "uid": "svc-uid"},
-        "spec": {
-            "selector": {"app": "x"},
-            "ports": [{"name": "http", "port": 80, "targetPort": "http"}],
-        },
-    }
-
-    def pod(name: str, port: int, ready: bool, deleting: bool = False) -> dict[str, Any]:
-        metadata: dict[str, Any] = {
-            "name": name,
-            "namespace": "ns",
-            "uid": f"{name}-uid-0000",
-            "labels": {"app": "x"},
-            "annotations": {"e2e.pagedllm.io/host-ports": f'{{"8000": {port}}}'},
-        }
-        if deleting:
-            metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-        return {
-            "metadata": metadata,
-            "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8000}]}]},
-            "status": {
-                "phase": "Running",
-                "podIP": "127.0.0.1",
-                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-            },
-        }
-
-    slices = build_slices(
-        service,
-        [
-            pod("p1", 4001, True),
-            pod("p2", 4002, False),
-            pod("p3", 4003, True, deleting=True),
-            {**pod("p4", 4004, True), "metadata": {"name": "p4", "labels": {"app": "y"}}},
-        ],
-    )
-    assert len(slices) == 3
-    assert all(s["metadata"]["labels"][SERVICE_NAME_LABEL] == SERVICE for s in slices)
-    assert ready_urls(slices, "http") == ["http://127.0.0.1:4001"]
-    terminating = next(s for s in slices if s["endpoints"][0]["targetRef"]["name"] == "p3")
-    assert terminating["endpoints"][0]["conditions"] == {
-        "ready": False,
-        "serving": True,
-        "terminating": True,
-    }
+    eventually(expired, what="410 Gone for the watch")

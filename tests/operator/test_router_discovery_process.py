@@ -1,5 +1,6 @@
-"""A real `pagedllm router` process finding its backends through Kubernetes discovery (the
-API emulator's EndpointSlices, credentials from $KUBECONFIG), and refusing flags that do not
+"""A real `pagedllm router` process finding its backends through Kubernetes discovery (the real
+kube-apiserver's EndpointSlices, written by the test as the EndpointSlice controller would;
+credentials from $KUBECONFIG, the admin's client certificate), and refusing flags that do not
 go together."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 from pagedllm.config import resolve_model_dir
+from pagedllm_testing.cluster.control_plane import ControlPlane
 from pagedllm_testing.operator_harness import (
     PLLM,
     SERVICE,
@@ -22,6 +24,7 @@ from pagedllm_testing.operator_harness import (
     endpoint,
     endpoint_slice,
     eventually,
+    host_address,
     pagedllm,
 )
 from pagedllm_testing.serve_harness import DEMO_MODEL, PAGEDLLM, Server, start_command, start_server
@@ -56,21 +59,29 @@ def discovering_router(
 
 
 def test_router_follows_the_services_endpoints(
-    kube: Kube, kubeconfig: Path, namespace: str, model_dir: str, tmp_path: Path
+    cluster: ControlPlane,
+    kube: Kube,
+    kubeconfig: Path,
+    namespace: str,
+    model_dir: str,
+    tmp_path: Path,
 ) -> None:
+    """The router's backends follow the Service's ready endpoints (on ports where nothing
+    listens: its own health never depends on them)."""
+    host = host_address(cluster)
     path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
-    kube.create(path, endpoint_slice("a", [endpoint("127.0.0.1")], port=1))
+    kube.create(path, endpoint_slice("a", [endpoint(host)], port=1))
     router = discovering_router(tmp_path, model_dir, namespace, kubeconfig)
     try:
         eventually(
-            lambda: backends_in_metrics(router.url) == ["http://127.0.0.1:1"],
+            lambda: backends_in_metrics(router.url) == [f"http://{host}:1"],
             timeout=30,
             what="the router to subscribe to the discovered backend",
         )
-        kube.create(path, endpoint_slice("b", [endpoint("127.0.0.2")], port=2))
-        kube.merge(f"{path}/a", {"endpoints": [endpoint("127.0.0.1", ready=False)]})
+        kube.create(path, endpoint_slice("b", [endpoint(host)], port=2))
+        kube.merge(f"{path}/a", {"endpoints": [endpoint(host, ready=False)]})
         eventually(
-            lambda: backends_in_metrics(router.url) == ["http://127.0.0.2:2"],
+            lambda: backends_in_metrics(router.url) == [f"http://{host}:2"],
             timeout=30,
             what="the router to follow the change",
         )
@@ -90,7 +101,12 @@ def waking_router(
 
 @pytest.mark.usefixtures("crd")
 def test_a_router_holding_a_stream_scales_its_pagedllm_from_zero(
-    kube: Kube, kubeconfig: Path, namespace: str, model_dir: str, tmp_path: Path
+    cluster: ControlPlane,
+    kube: Kube,
+    kubeconfig: Path,
+    namespace: str,
+    model_dir: str,
+    tmp_path: Path,
 ) -> None:
     """The PagedLLM is at zero and its Service has no endpoint: a streaming request is held,
     the router writes /scale (once), and when a node comes up late (as the operator and the
@@ -137,10 +153,11 @@ def test_a_router_holding_a_stream_scales_its_pagedllm_from_zero(
         assert woken == 2
         version = kube.get(scale_path)["metadata"]["resourceVersion"]
         assert version != created["metadata"]["resourceVersion"]
-        node = start_server(tmp_path / "late-node")
+        # On every interface: the router reaches it at this machine's bridge address.
+        node = start_server(tmp_path / "late-node", "--host", "0.0.0.0")
         kube.create(
             f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
-            endpoint_slice("late", [endpoint("127.0.0.1")], port=node.port),
+            endpoint_slice("late", [endpoint(host_address(cluster))], port=node.port),
         )
         client_thread.join(timeout=180)
         assert not client_thread.is_alive() and not failures, failures

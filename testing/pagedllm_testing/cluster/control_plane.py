@@ -307,7 +307,12 @@ class ControlPlane:
     def kubectl_env(self) -> dict[str, str]:
         """The environment to run the built kubectl in as the admin user."""
         path = f"{self.layout.bin}{os.pathsep}{os.environ.get('PATH', '')}"
-        return {**os.environ, "KUBECONFIG": str(self.layout.kubeconfig), "PATH": path}
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.layout.kubeconfig),
+            "KUBECACHEDIR": str(self.layout.root / "kubectl-cache"),
+            "PATH": path,
+        }
 
     def kubectl(
         self,

@@ -6,10 +6,11 @@ needs root (or CAP_NET_ADMIN)."""
 from __future__ import annotations
 
 import ipaddress
+import random
 import subprocess
 from dataclasses import dataclass
 
-# 10.213.N.0/24, one N a cluster: the first N no interface of this machine has an address in.
+# 10.213.N.0/24, one N a cluster: an N no interface of this machine has an address in.
 NETWORK = ipaddress.ip_network("10.213.0.0/16")
 PREFIX = 24
 BRIDGE_PREFIX = "pllm"
@@ -64,11 +65,12 @@ def taken_indexes() -> set[int]:
 
 
 def create_bridge() -> Bridge:
-    taken = taken_indexes()
-    index = next((n for n in range(1, 255) if n not in taken), None)
-    if index is None:
+    free = sorted(set(range(1, 255)) - taken_indexes())
+    if not free:
         raise NetworkError(f"every /{PREFIX} of {NETWORK} is in use")
-    bridge = Bridge(index)
+    # Any free one: a cluster's address differs from the last one's, whose discovery kubectl
+    # may still hold in its cache (keyed by the server's address).
+    bridge = Bridge(random.choice(free))
     ip("link", "add", bridge.name, "type", "bridge")
     ip("addr", "add", f"{bridge.host_address}/{PREFIX}", "dev", bridge.name)
     ip("link", "set", bridge.name, "up")

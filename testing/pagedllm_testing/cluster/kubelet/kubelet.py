@@ -25,7 +25,12 @@ from pagedllm_testing.cluster.kubelet.node import (
     node_status,
     now,
 )
-from pagedllm_testing.cluster.kubelet.pods import DEFAULT_GRACE_SECONDS, LocalPod
+from pagedllm_testing.cluster.kubelet.pods import (
+    CONFIG_MAP_REFRESH_SECONDS,
+    DEFAULT_GRACE_SECONDS,
+    LocalPod,
+    PodConfigError,
+)
 
 LEASE_RENEW_SECONDS = 5.0
 STATUS_SECONDS = 30.0
@@ -119,11 +124,13 @@ class Kubelet:
 
     async def run(self) -> None:
         await self.register()
-        heartbeat = asyncio.get_running_loop().create_task(self._heartbeat())
+        loop = asyncio.get_running_loop()
+        background = [loop.create_task(self._heartbeat()), loop.create_task(self._refresh())]
         try:
             await self._follow_pods()
         finally:
-            heartbeat.cancel()
+            for task in background:
+                task.cancel()
 
     async def _follow_pods(self) -> None:
         selector = {"fieldSelector": f"spec.nodeName={self.node.name}"}
@@ -145,7 +152,6 @@ class Kubelet:
                         if event["type"] == "BOOKMARK":
                             continue
                         self._sync(pod, deleted=event["type"] == "DELETED")
-                        await self._refresh_config_maps()
                         if time.monotonic() >= deadline:
                             break
             except asyncio.CancelledError:
@@ -162,7 +168,6 @@ class Kubelet:
         for uid, local in list(self.pods.items()):
             if uid not in seen and not local.terminating:
                 self._sync_gone(local)
-        await self._refresh_config_maps(force=True)
 
     def _sync(self, pod: dict[str, Any], deleted: bool = False) -> None:
         uid = pod["metadata"]["uid"]
@@ -199,18 +204,15 @@ class Kubelet:
             missing_ok=True,
         )
 
-    _refreshed = 0.0
-
-    async def _refresh_config_maps(self, force: bool = False) -> None:
-        """Bring the running pods' configMap volumes up to date (every few seconds)."""
-        moment = time.monotonic()
-        if not force and moment - self._refreshed < 2.0:
-            return
-        self._refreshed = moment
-        for local in list(self.pods.values()):
-            if local.dirs and not local.terminating:
-                with contextlib.suppress(Exception):  # a ConfigMap deleted under a running pod
-                    await local.write_volumes(refresh=True)
+    async def _refresh(self) -> None:
+        """The running pods' configMap volumes brought up to date every few seconds (a real
+        kubelet takes up to a minute or so)."""
+        while True:
+            await asyncio.sleep(CONFIG_MAP_REFRESH_SECONDS)
+            for local in list(self.pods.values()):
+                if local.dirs and not local.terminating:
+                    with contextlib.suppress(PodConfigError):  # deleted under a running pod
+                        await local.write_volumes(refresh=True)
 
     def _start_task(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)

@@ -408,7 +408,13 @@ class LocalPod:
         raise PodConfigError(f"volume source {sorted(source)} is not emulated")
 
     async def _object(self, resource: str, name: str) -> dict[str, Any] | None:
-        return await self.kubelet.api.get(f"/api/v1/namespaces/{self.namespace}/{resource}/{name}")
+        """A ConfigMap or Secret the pod names; a refusal (the Node authorizer learns of a
+        pod's references a moment after the pod is bound) is retried with the pod."""
+        path = f"/api/v1/namespaces/{self.namespace}/{resource}/{name}"
+        try:
+            return await self.kubelet.api.get(path)
+        except (ApiError, httpx.HTTPError) as error:
+            raise PodConfigError(f"{resource} {name}: {error}") from error
 
     async def _token(self, ref: Mapping[str, Any]) -> str:
         """A token of the pod's ServiceAccount bound to the pod (TokenRequest), as the kubelet

@@ -1,24 +1,17 @@
-"""What a user sees with the real kubectl against the emulator: `kubectl explain` from the
-CRD's published schema, `kubectl get` with a real API server's columns. (The documentation's
-cluster-less example, the getting-started tour, runs as written in tests/docs/test_tour.py.)"""
+"""What a user sees with the built kubectl against the real kube-apiserver (envtest's: the test
+writes the statuses): `kubectl explain` from the CRD's published schema (OpenAPI v3 and v2), and
+`kubectl get` with the apiserver's own columns for the kinds the operator makes."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
-from pathlib import Path
 from typing import Any
 
 import yaml
 
-from pagedllm_testing.operator_harness import (
-    CRD_PATH,
-    SAMPLES,
-    EmulatorThread,
-    Kube,
-    Kubectl,
-    kubeconfig_text,
-    kubectl_for,
-)
+from pagedllm_testing.cluster.control_plane import SERVICE_CLUSTER_IP_RANGE
+from pagedllm_testing.operator_harness import ROUTER_DEFAULTS, Kube, Kubectl
 
 
 def rows(output: str) -> list[list[str]]:
@@ -31,6 +24,8 @@ def apply(kubectl: Kubectl, *objects: dict[str, Any]) -> None:
 
 
 def test_explain_prints_the_fields_of_the_crd_schema(kubectl: Kubectl, crd: dict) -> None:
+    """`kubectl explain` lists the spec's fields from the CRD's schema as the apiserver
+    publishes it, in OpenAPI v3 and (protobuf) v2."""
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     out = kubectl("explain", "pagedllm.spec").stdout
     assert "KIND:       PagedLLM" in out
@@ -51,6 +46,8 @@ def test_explain_prints_the_fields_of_the_crd_schema(kubectl: Kubectl, crd: dict
 
 
 def test_router_fields_are_explained_and_checked(kubectl: Kubectl, crd: dict) -> None:
+    """spec.router's fields are explained; bad values are refused by the schema, and the
+    apiserver's defaults fill in an omitted router."""
     out = kubectl("explain", "pagedllm.spec.router").stdout
     assert re.findall(r"^  (\w+)\t", out, flags=re.MULTILINE) == [
         "enabled",
@@ -74,19 +71,14 @@ def test_router_fields_are_explained_and_checked(kubectl: Kubectl, crd: dict) ->
     good = {**bad, "spec": {"model": {"servedName": "x"}}}
     kubectl("apply", "-f", "-", stdin=yaml.safe_dump(good))
     router = kubectl("get", "pllm", "bad-router", "-o", "jsonpath={.spec.router}").stdout
-    assert yaml.safe_load(router) == {
-        "enabled": True,
-        "replicas": 2,
-        "policy": "prefix",
-        "loadBound": 1.25,
-        "maxHeldRequests": 64,
-        "holdTimeoutSeconds": 600,
-    }
+    assert yaml.safe_load(router) == ROUTER_DEFAULTS
 
 
 def test_get_deployments_shows_readiness_from_the_status(
     kubectl: Kubectl, kube: Kube, namespace: str
 ) -> None:
+    """`kubectl get deploy` shows READY, UP-TO-DATE and AVAILABLE from the status the test
+    writes (as the Deployment controller would), and -o wide the containers and selector."""
     labels = {"app": "web"}
     apply(
         kubectl,
@@ -141,6 +133,9 @@ def test_get_deployments_shows_readiness_from_the_status(
 def test_get_pods_shows_readiness_status_and_restarts(
     kubectl: Kubectl, kube: Kube, namespace: str
 ) -> None:
+    """`kubectl get pods` shows ready containers, the waiting reason and the restarts from the
+    status the test writes (as the kubelet would), and Terminating while a finalizer holds a
+    deleted pod."""
     containers = [{"name": "server", "image": "nginx:1.27"}, {"name": "sidecar", "image": "x:1"}]
     apply(
         kubectl,
@@ -182,12 +177,18 @@ def test_get_pods_shows_readiness_status_and_restarts(
     assert wide[0][5:7] == ["IP", "NODE"]
     assert wide[1][5:7] == ["10.1.2.3", "<none>"]
 
-    kube.merge(f"/api/v1/namespaces/{namespace}/pods/crashing", {"metadata": {"finalizers": ["x"]}})
+    # Held by a finalizer, a deleted pod shows as Terminating until the finalizer goes.
+    pod = f"/api/v1/namespaces/{namespace}/pods/crashing"
+    kube.merge(pod, {"metadata": {"finalizers": ["pagedllm.io/test-hold"]}})
     kubectl("delete", "pod", "crashing", "--wait=false")
     assert rows(kubectl("get", "pod", "crashing").stdout)[1][2] == "Terminating"
+    kube.merge(pod, {"metadata": {"finalizers": None}})
+    assert kube.get(pod) is None
 
 
 def test_get_services_and_replicasets(kubectl: Kubectl, namespace: str) -> None:
+    """`kubectl get svc` and `get rs` columns: cluster IPs (a NodePort Service gets one from
+    the service range), ports, and a ReplicaSet no controller acts on."""
     apply(
         kubectl,
         {
@@ -226,37 +227,14 @@ def test_get_services_and_replicasets(kubectl: Kubectl, namespace: str) -> None:
     services = rows(kubectl("get", "svc").stdout)
     assert services[0] == ["NAME", "TYPE", "CLUSTER-IP", "EXTERNAL-IP", "PORT(S)", "AGE"]
     by_name = {row[0]: row[1:5] for row in services[1:]}
+    # A NodePort Service gets a cluster IP of its own, from the service range.
+    edge_ip = by_name["edge"].pop(1)
+    assert ipaddress.ip_address(edge_ip) in ipaddress.ip_network(SERVICE_CLUSTER_IP_RANGE)
     assert by_name == {
-        "edge": ["NodePort", "<none>", "<none>", "443:30443/TCP"],
+        "edge": ["NodePort", "<none>", "443:30443/TCP"],
         "web": ["ClusterIP", "10.96.0.10", "<none>", "80/TCP"],
     }
 
     replicasets = rows(kubectl("get", "rs").stdout)
     assert replicasets[0] == ["NAME", "DESIRED", "CURRENT", "READY", "AGE"]
     assert replicasets[1][:4] == ["web-5d9c", "2", "0", "0"]
-
-
-def test_crd_and_custom_resource_in_one_apply_fail_as_on_a_cluster(tmp_path: Path) -> None:
-    """Before the CRD exists its kind is in no OpenAPI v3 document: kubectl validates the
-    sample against OpenAPI v2 (protobuf), which passes, and then finds no such kind, as on a
-    real cluster (hence the getting-started tour's wait)."""
-    with EmulatorThread() as fresh:
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(kubeconfig_text(fresh.url))
-        kubectl = kubectl_for(kubeconfig, "default")
-        result = kubectl(
-            "apply",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "-f",
-            str(CRD_PATH),
-            "-f",
-            str(SAMPLES / "demo-cpu.yaml"),
-            check=False,
-        )
-    assert "customresourcedefinition.apiextensions.k8s.io/pagedllms.pagedllm.io created" in (
-        result.stdout
-    )
-    assert "error validating" not in result.stderr
-    assert 'no matches for kind "PagedLLM"' in result.stderr
-    assert "ensure CRDs are installed first" in result.stderr
