@@ -32,6 +32,7 @@ import yaml
 from pagedllm_testing.cluster import binary, network, pki
 from pagedllm_testing.cluster.kubelet import pod_network
 from pagedllm_testing.cluster.kubelet.node import NodeSpec
+from pagedllm_testing.cluster.kubelet.pods import BIND_MOUNTED
 from pagedllm_testing.serve_harness import free_port
 
 LOOPBACK = "127.0.0.1"
@@ -519,6 +520,7 @@ class ControlPlane:
             state.nodes.pop(name)
         bridge = network.Bridge(state.bridge)
         pod_network.sweep(bridge, self.layout.root / "ipam")
+        remove_mount_points()
         for name in reversed(COMPONENTS):
             self.stop(name)
         network.delete_bridge(bridge)
@@ -572,6 +574,22 @@ class ControlPlane:
         if not self.layout.audit_log.exists():
             return []
         return [json.loads(line) for line in self.layout.audit_log.read_text().splitlines() if line]
+
+
+def remove_mount_points() -> None:
+    """The empty folders the kubelets made as mount points for the pods' service-account
+    volumes (under /var/run/secrets), once no cluster of this machine has a pod left: removing
+    a mount point detaches what other mount namespaces mounted there. One that holds anything
+    stays."""
+    if pod_network.any_pod_network():
+        return
+    path = Path(BIND_MOUNTED) / "kubernetes.io" / "serviceaccount"
+    while path != Path(BIND_MOUNTED).parent:
+        try:
+            path.rmdir()
+        except OSError:
+            return
+        path = path.parent
 
 
 def is_running(pid: int) -> bool:

@@ -108,6 +108,12 @@ def leftovers(bridge: network.Bridge) -> list[PodNetwork]:
     ]
 
 
+def any_pod_network() -> bool:
+    """Whether any cluster of this machine has a pod network namespace now."""
+    prefix = network.BRIDGE_PREFIX
+    return NETNS_DIR.exists() and any(p.name.startswith(prefix) for p in NETNS_DIR.iterdir())
+
+
 def sweep(bridge: network.Bridge, ipam: Path) -> None:
     """Every pod network of the bridge removed (a cluster going down)."""
     for pod in leftovers(bridge):
