@@ -24,6 +24,7 @@ from pagedllm_testing.local_cluster import (
     LocalCluster,
     eventually,
     is_pod_ready,
+    local_url,
 )
 from pagedllm_testing.lora_adapters import demo_adapter
 
@@ -142,7 +143,7 @@ def test_adapters_reach_running_and_new_pods(tmp_path_factory: pytest.TempPathFa
         (new,) = [
             p for p in serving_pods(cluster) if p["metadata"]["uid"] != first["metadata"]["uid"]
         ]
-        assert answer_model(cluster.local_url(new) + "/v1", "legal") == "legal"
+        assert answer_model(local_url(new) + "/v1", "legal") == "legal"
         eventually(
             lambda: loaded(cluster, {"sql": 2, "poet": 2, "legal": 2}),
             timeout=30,

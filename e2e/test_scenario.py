@@ -51,6 +51,7 @@ from pagedllm_testing.local_cluster import (
     LocalCluster,
     eventually,
     is_pod_ready,
+    local_url,
 )
 
 SCENARIO = REPO / "e2e" / "demo-pagedllm.yaml"
@@ -160,11 +161,6 @@ def condition(body: dict[str, Any], kind: str) -> dict[str, Any]:
     return next(
         (c for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == kind), {}
     )
-
-
-def local_url(pod: dict[str, Any], port: int = 8000) -> str:
-    """A pod's port at its address on the cluster's bridge."""
-    return f"http://{pod['status']['podIP']}:{port}"
 
 
 def pod_metric(pod: dict[str, Any], name: str) -> float:

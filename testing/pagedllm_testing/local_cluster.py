@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import os
 import signal
 import subprocess
@@ -39,7 +38,12 @@ from pagedllm_testing.cluster.kubelet.node import (
     now,
 )
 from pagedllm_testing.cluster.kubelet.pods import process_group_members
-from pagedllm_testing.cluster_autoscaler_standin import ClusterAutoscalerStandin, NodeGroup, Timers
+from pagedllm_testing.cluster_autoscaler_standin import (
+    ClusterAutoscalerStandin,
+    NodeGroup,
+    Timers,
+    is_terminating,
+)
 from pagedllm_testing.polling import eventually
 from pagedllm_testing.service_proxy import PortProxy, ServiceProxies
 
@@ -72,12 +76,17 @@ class ClusterShape:
 
 def is_pod_ready(pod: Mapping[str, Any]) -> bool:
     """Ready and not terminating (what the EndpointSlice controller counts as ready)."""
-    if pod["metadata"].get("deletionTimestamp"):
+    if is_terminating(pod):
         return False
     return any(
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in (pod.get("status") or {}).get("conditions") or []
     )
+
+
+def local_url(pod: Mapping[str, Any], port: int = 8000) -> str:
+    """A pod's port at its address on the cluster's bridge."""
+    return f"http://{pod['status']['podIP']}:{port}"
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -289,9 +298,7 @@ class LocalCluster:
     def _pod_network(self, pod: Mapping[str, Any]) -> pod_network.PodNetwork | None:
         address = (pod.get("status") or {}).get("podIP")
         bridge = network.Bridge(self.control_plane.current.bridge)
-        if not address:
-            return None
-        return pod_network.PodNetwork(bridge, int(address.rsplit(".", 1)[1]) - 1)
+        return pod_network.of_address(bridge, address) if address else None
 
     def crash_pod(self, name: str, namespace: str = NAMESPACE) -> list[int]:
         """SIGKILL every process in the pod's network namespace (its containers'), as an OOM
@@ -315,18 +322,14 @@ class LocalCluster:
                 found[pod["metadata"]["name"]] = pids
         return found
 
-    def local_url(self, pod: Mapping[str, Any], port: int = 8000) -> str:
-        """A pod's port at its address on the cluster's bridge."""
-        return f"http://{pod['status']['podIP']}:{port}"
-
     # --- ending ----------------------------------------------------------------------------
 
     def live_processes(self) -> dict[str, list[int]]:
         """Everything this cluster started that is still alive: the components and kubelets
         (by process group), and anything in a pod network namespace of its bridge."""
         alive: dict[str, list[int]] = {}
-        state_file = self.control_plane.layout.state
-        pids = json.loads(state_file.read_text())["pids"] if state_file.exists() else {}
+        running = self.control_plane.layout.state.exists()
+        pids = self.control_plane.current.pids if running else {}
         for name, pgid in {**pids, **self._stopped_pids}.items():
             members = process_group_members(pgid)
             if members:
@@ -341,9 +344,8 @@ class LocalCluster:
             self.standins.stop()
         if self._http is not None:
             self._http.close()
-        state = self.control_plane.layout.state
-        if state.exists():
-            self._stopped_pids = dict(json.loads(state.read_text())["pids"])
+        if self.control_plane.layout.state.exists():
+            self._stopped_pids = dict(self.control_plane.current.pids)
             self._bridge = self.control_plane.current.bridge
         self.control_plane.down()
 

@@ -162,7 +162,7 @@ def test_a_pod_runs_in_its_own_network_as_its_service_account(
     # The token is in the pod's mount namespace only.
     assert not Path("/var/run/secrets/kubernetes.io/serviceaccount/token").exists()
 
-    network_of = pod_network.PodNetwork(bridge, int(address.rsplit(".", 1)[1]) - 1)
+    network_of = pod_network.of_address(bridge, address)
     assert pod_network.processes_in(network_of.namespace_path)
     control_plane.kubectl("-n", namespace, "delete", "pod", "web", "--timeout=30s")
     assert marker.read_text() == "SIGTERM"

@@ -62,6 +62,21 @@ class Api:
     async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any] | None:
         return await self.request("PATCH", path, body=patch, headers=MERGE_PATCH, missing_ok=True)
 
+    async def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+        """The pod object removed for good once the kubelet is done with it: grace period 0,
+        and only the pod of that uid (not a successor of the same name)."""
+        await self.request(
+            "DELETE",
+            f"/api/v1/namespaces/{namespace}/pods/{name}",
+            body={
+                "apiVersion": "v1",
+                "kind": "DeleteOptions",
+                "gracePeriodSeconds": 0,
+                "preconditions": {"uid": uid},
+            },
+            missing_ok=True,
+        )
+
     async def watch(
         self, path: str, params: Mapping[str, Any], timeout: int
     ) -> AsyncIterator[dict[str, Any]]:

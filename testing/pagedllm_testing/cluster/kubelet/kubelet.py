@@ -197,12 +197,7 @@ class Kubelet:
 
     async def _delete_unknown(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
-        await self.api.request(
-            "DELETE",
-            f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
-            body={"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}},
-            missing_ok=True,
-        )
+        await self.api.delete_pod(meta["namespace"], meta["name"], meta["uid"])
 
     async def _refresh(self) -> None:
         """The running pods' configMap volumes brought up to date every few seconds (a real

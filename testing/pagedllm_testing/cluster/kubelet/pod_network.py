@@ -42,6 +42,11 @@ class PodNetwork:
         return f"{self.bridge.name}v{self.host}"
 
 
+def of_address(bridge: network.Bridge, address: str) -> PodNetwork:
+    """The pod network holding ``address`` (a pod's status.podIP) on ``bridge``."""
+    return PodNetwork(bridge, int(address.rsplit(".", 1)[1]) - 1)
+
+
 def allocate(ipam: Path, bridge: network.Bridge, owner: str) -> PodNetwork:
     """A free address of the bridge, taken for ``owner`` (a pod's uid)."""
     ipam.mkdir(parents=True, exist_ok=True)

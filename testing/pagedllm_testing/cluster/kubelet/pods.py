@@ -774,17 +774,7 @@ class LocalPod:
         if api:
             with contextlib.suppress(ApiError, httpx.HTTPError):
                 await self.publish()
-                await self.kubelet.api.request(
-                    "DELETE",
-                    self.path,
-                    body={
-                        "apiVersion": "v1",
-                        "kind": "DeleteOptions",
-                        "gracePeriodSeconds": 0,
-                        "preconditions": {"uid": self.uid},
-                    },
-                    missing_ok=True,
-                )
+                await self.kubelet.api.delete_pod(self.namespace, self.name, self.uid)
 
     def remove_network(self) -> None:
         if self.network is not None:
