@@ -1,14 +1,17 @@
-// Float32 weight matmuls on AVX-512 CPUs, y = x W^T (+ bias), over a weight packed once into
-// panels of 16 output features: panel p holds W[16p .. 16p + 15, k] for every k, k-major, so a
-// panel streams through one 64-byte vector per input feature. Two panels and up to 12 rows of
-// x make one register tile (24 accumulators): each vector of weights loaded serves every row,
-// so a decode step reads each weight once, at whatever row count, and the products keep pace
-// with the weight stream. Each tile asks for its weights 2 KB ahead, and the rows run in passes
-// of even sizes. At the row counts of decoding this is what bounds a step: SmolLM2's 120 layer
-// matmuls at 1 / 8 / 16 rows took 15-17 / 20-23 / 30 ms against MKL's packed sgemm's 18-19 / 27
-// / 32 on a 2-core AVX-512 Xeon before the prefetch, which took another 10-15 % off at 4-128
-// rows (8 / 16 / 32 rows: 25.6 / 33.9 / 46.0 ms -> 22.1 / 28.6 / 40.2 in alternation, a slower
-// hour); at 256 rows (prompts) within 10 % of MKL.
+// Weight matmuls on AVX-512 CPUs, y = x W^T (+ bias), over a weight packed once into panels of
+// 16 output features, k-major, so that a panel streams through one 64-byte vector per step:
+// float32 weights one input feature a step, bfloat16 ones two (the pair of features k, k + 1
+// of each output side by side: the layout of AVX512-BF16's vdpbf16ps, and on CPUs without it
+// each half widens to float32 with one shift or one mask). Two panels and up to 12 rows of x
+// make one register tile (24 float32 accumulators): each vector of weights loaded serves every
+// row, so a decode step reads each weight once, at whatever row count, and the products keep
+// pace with the weight stream. Each tile asks for its weights 2 KB ahead, and the rows run in
+// passes of even sizes. At the row counts of decoding this is what bounds a step: SmolLM2's
+// 120 layer matmuls at 1 / 8 / 16 rows took 15-17 / 20-23 / 30 ms against MKL's packed
+// sgemm's 18-19 / 27 / 32 on a 2-core AVX-512 Xeon before the prefetch, which took another
+// 10-15 % off at 4-128 rows (8 / 16 / 32 rows: 25.6 / 33.9 / 46.0 ms -> 22.1 / 28.6 / 40.2 in
+// alternation, a slower hour); at 256 rows (prompts) within 10 % of MKL. bfloat16 weights are
+// half the bytes to stream, with float32 products and sums either way.
 #include "aten.h"
 
 #include <ATen/Parallel.h>
@@ -25,32 +28,56 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output features per panel: one AVX-512 vector
 constexpr int kRows = 12;        // rows of x per register tile
-// How far ahead in its panels a tile asks for weights, in input features (32 x 64 bytes =
-// 2 KB). Without it the tile did not read ahead while its FMAs were busy: at 8-32 rows a
-// matmul took about as long as its weight stream plus its products, one after the other.
+// How far ahead in its panels a tile asks for weights: 2 KB, 32 steps of one 64-byte vector.
+// Without it the tile did not read ahead while its FMAs were busy: at 8-32 rows a matmul took
+// about as long as its weight stream plus its products, one after the other.
 constexpr int64_t kPrefetch = 32;
 
-// [N, K] -> [P, K, 16], P = N / 16 rounded up to an even count, the padding zero.
+// float32 [N, K] -> [P, K, 16]; bfloat16 [N, K] (K even) -> [P, K / 2, 32], lane 2n + t of
+// step j holding W[16p + n, 2j + t]. P = N / 16 rounded up to an even count, the padding zero.
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
-              "pack_linear_weight: a float32 [out_features, in_features] weight");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat ||
+                                    weight.scalar_type() == at::kBFloat16),
+              "pack_linear_weight: a float32 or bfloat16 [out_features, in_features] weight");
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t panels = ((n + 2 * kPanel - 1) / (2 * kPanel)) * 2;
   at::Tensor padded = at::zeros({panels * kPanel, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
-  return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+  if (weight.scalar_type() == at::kFloat) {
+    return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+  }
+  TORCH_CHECK(k % 2 == 0, "pack_linear_weight: a bfloat16 weight of an even in_features");
+  return padded.view({panels, kPanel, k / 2, 2})
+      .permute({0, 2, 1, 3})
+      .contiguous()
+      .view({panels, k / 2, 2 * kPanel});
 }
 
 #if defined(__AVX512F__)
 
-// rows x (2 panels): out[m, 0..31] = x[m, :] . panels (+ bias), columns >= valid left alone.
-template <int R>
-void tile(const float* x, int64_t k_total, const float* panel, const float* bias, int valid,
-          float* out, int64_t ld_out) {
-  const float* next = panel + k_total * kPanel;
-  const __mmask16 lo = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
-  const __mmask16 hi =
-      valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
+inline __mmask16 low_mask(int valid) {
+  return valid >= 16 ? 0xFFFF : valid <= 0 ? 0 : static_cast<__mmask16>((1u << valid) - 1);
+}
+
+inline void store(float* out, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(out, mask, v); }
+
+// Rounded to nearest even, NaN kept quiet, as c10::BFloat16 rounds.
+inline void store(c10::BFloat16* out, __mmask16 mask, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
+// Runs a tile over k_total input features: `step(j, a0, a1)` adds step j's products to the
+// rows' accumulators; then stores rows x 32 columns (+ bias), columns >= valid left alone.
+template <int R, typename T, typename Step>
+inline void run_tile(int64_t steps, const float* bias, int valid, T* out, int64_t ld_out,
+                     Step&& step) {
+  const __mmask16 lo = low_mask(valid), hi = low_mask(valid - 16);
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
   if (bias != nullptr) {
     b0 = _mm512_maskz_loadu_ps(lo, bias);
@@ -61,74 +88,162 @@ void tile(const float* x, int64_t k_total, const float* panel, const float* bias
     a0[m] = b0;
     a1[m] = b1;
   }
-  for (int64_t k = 0; k < k_total; ++k) {
-    // Past the end of the weight this asks for memory never read: prefetches do not fault.
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetch) * kPanel), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(next + (k + kPrefetch) * kPanel), _MM_HINT_T0);
-    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel);
-    const __m512 w1 = _mm512_loadu_ps(next + k * kPanel);
-    for (int m = 0; m < R; ++m) {
-      const __m512 v = _mm512_set1_ps(x[m * k_total + k]);
-      a0[m] = _mm512_fmadd_ps(v, w0, a0[m]);
-      a1[m] = _mm512_fmadd_ps(v, w1, a1[m]);
-    }
-  }
+  for (int64_t j = 0; j < steps; ++j) step(j, a0, a1);
   for (int m = 0; m < R; ++m) {
-    _mm512_mask_storeu_ps(out + m * ld_out, lo, a0[m]);
-    _mm512_mask_storeu_ps(out + m * ld_out + kPanel, hi, a1[m]);
+    store(out + m * ld_out, lo, a0[m]);
+    store(out + m * ld_out + kPanel, hi, a1[m]);
   }
 }
 
-using Tile = void (*)(const float*, int64_t, const float*, const float*, int, float*, int64_t);
+// Past the end of the weight these ask for memory never read: prefetches do not fault.
+inline void prefetch(const void* p0, const void* p1) {
+  _mm_prefetch(static_cast<const char*>(p0) + kPrefetch * 64, _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(p1) + kPrefetch * 64, _MM_HINT_T0);
+}
+
+// float32 weights, float32 rows x ([R, k_total], row-major).
+template <int R>
+void tile_f32(const float* x, int64_t k_total, const void* weight, const float* bias, int valid,
+              void* out, int64_t ld_out) {
+  const float* panel = static_cast<const float*>(weight);
+  const float* next = panel + k_total * kPanel;
+  run_tile<R>(k_total, bias, valid, static_cast<float*>(out), ld_out,
+              [&](int64_t k, __m512* a0, __m512* a1) {
+                prefetch(panel + k * kPanel, next + k * kPanel);
+                const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel);
+                const __m512 w1 = _mm512_loadu_ps(next + k * kPanel);
+                for (int m = 0; m < R; ++m) {
+                  const __m512 v = _mm512_set1_ps(x[m * k_total + k]);
+                  a0[m] = _mm512_fmadd_ps(v, w0, a0[m]);
+                  a1[m] = _mm512_fmadd_ps(v, w1, a1[m]);
+                }
+              });
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 weights and rows: each step one vdpbf16ps a row and panel over a pair of features.
+template <int R>
+void tile_bf16(const void* xv, int64_t k_total, const void* weight, const float* bias,
+               int valid, void* out, int64_t ld_out) {
+  const int32_t* x = static_cast<const int32_t*>(xv);  // pairs of bfloat16 features
+  const int64_t steps = k_total / 2;
+  const __m512i* panel = static_cast<const __m512i*>(weight);
+  const __m512i* next = panel + steps;
+  run_tile<R>(steps, bias, valid, static_cast<c10::BFloat16*>(out), ld_out,
+              [&](int64_t j, __m512* a0, __m512* a1) {
+                prefetch(panel + j, next + j);
+                const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j);
+                const __m512bh w1 = (__m512bh)_mm512_loadu_si512(next + j);
+                for (int m = 0; m < R; ++m) {
+                  const __m512bh v = (__m512bh)_mm512_set1_epi32(x[m * steps + j]);
+                  a0[m] = _mm512_dpbf16_ps(a0[m], v, w0);
+                  a1[m] = _mm512_dpbf16_ps(a1[m], v, w1);
+                }
+              });
+}
+#else
+// bfloat16 weights, the rows widened to float32: each half of a pair widens with a shift (the
+// even feature) or a mask (the odd one), the odd product added first as vdpbf16ps adds it.
+template <int R>
+void tile_bf16(const void* xv, int64_t k_total, const void* weight, const float* bias,
+               int valid, void* out, int64_t ld_out) {
+  const float* x = static_cast<const float*>(xv);
+  const int64_t steps = k_total / 2;
+  const __m512i* panel = static_cast<const __m512i*>(weight);
+  const __m512i* next = panel + steps;
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  run_tile<R>(steps, bias, valid, static_cast<c10::BFloat16*>(out), ld_out,
+              [&](int64_t j, __m512* a0, __m512* a1) {
+                prefetch(panel + j, next + j);
+                const __m512i p0 = _mm512_loadu_si512(panel + j);
+                const __m512i p1 = _mm512_loadu_si512(next + j);
+                const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
+                const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
+                const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
+                const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
+                for (int m = 0; m < R; ++m) {
+                  const float* row = x + m * k_total + 2 * j;
+                  const __m512 ve = _mm512_set1_ps(row[0]), vo = _mm512_set1_ps(row[1]);
+                  a0[m] = _mm512_fmadd_ps(ve, e0, _mm512_fmadd_ps(vo, o0, a0[m]));
+                  a1[m] = _mm512_fmadd_ps(ve, e1, _mm512_fmadd_ps(vo, o1, a1[m]));
+                }
+              });
+}
+#endif
+
+using Tile = void (*)(const void*, int64_t, const void*, const float*, int, void*, int64_t);
+
+template <int R>
+void tile_f32_erased(const void* x, int64_t k, const void* w, const float* b, int valid,
+                     void* out, int64_t ld) {
+  tile_f32<R>(static_cast<const float*>(x), k, w, b, valid, out, ld);
+}
 
 template <int... R>
-constexpr std::array<Tile, sizeof...(R)> tiles(std::integer_sequence<int, R...>) {
-  return {&tile<R + 1>...};
+constexpr std::array<Tile, sizeof...(R)> f32_tiles(std::integer_sequence<int, R...>) {
+  return {&tile_f32_erased<R + 1>...};
 }
 
-constexpr auto kTiles = tiles(std::make_integer_sequence<int, kRows>{});
+template <int... R>
+constexpr std::array<Tile, sizeof...(R)> bf16_tiles(std::integer_sequence<int, R...>) {
+  return {&tile_bf16<R + 1>...};
+}
+
+constexpr auto kF32Tiles = f32_tiles(std::make_integer_sequence<int, kRows>{});
+constexpr auto kBf16Tiles = bf16_tiles(std::make_integer_sequence<int, kRows>{});
 
 #endif
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                         const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
-              "panel_linear: float32 input and weight");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(0) % 2 == 0,
+  const auto dtype = packed.scalar_type();
+  const bool bf16 = dtype == at::kBFloat16;
+  TORCH_CHECK((dtype == at::kFloat || bf16) && x.scalar_type() == dtype,
+              "panel_linear: float32 input and weight, or bfloat16 input and weight");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == (bf16 ? 2 : 1) * kPanel &&
+                  packed.size(0) % 2 == 0,
               "panel_linear: a weight from pack_linear_weight");
-  const int64_t k_total = packed.size(1);
+  const int64_t k_total = packed.size(1) * (bf16 ? 2 : 1);
   TORCH_CHECK(x.size(-1) == k_total, "panel_linear: input of ", x.size(-1),
               " features for a weight of ", k_total);
   TORCH_CHECK(out_features > 0 && out_features <= packed.size(0) * kPanel &&
                   out_features > (packed.size(0) - 2) * kPanel,
               "panel_linear: out_features does not fit the packed weight");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == out_features && bias->is_contiguous() &&
-                                    bias->scalar_type() == at::kFloat),
-              "panel_linear: a float32 bias of out_features values");
+                                    bias->scalar_type() == dtype),
+              "panel_linear: a bias of out_features values in the weight's dtype");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
   at::Tensor out = at::empty(shape, x.options());
-  const at::Tensor rows_in = x.reshape({-1, k_total}).contiguous();
+  at::Tensor rows_in = x.reshape({-1, k_total}).contiguous();
   const int64_t rows = rows_in.size(0);
   if (rows == 0) return out;
 #if defined(__AVX512F__)
-  const float* xs = rows_in.data_ptr<float>();
-  const float* w = packed.data_ptr<float>();
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
+#if !defined(__AVX512BF16__)
+  if (bf16) rows_in = rows_in.to(at::kFloat);  // widened once, exactly
+#endif
+  const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
+  const auto* xs = static_cast<const char*>(rows_in.data_ptr());
+  const int64_t x_row = k_total * rows_in.element_size();
+  const auto* w = static_cast<const char*>(packed.data_ptr());
+  const float* b = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
+  auto* o = static_cast<char*>(out.data_ptr());
+  const int64_t o_elem = out.element_size();
+  const auto& tiles = bf16 ? kBf16Tiles : kF32Tiles;
   const int64_t pairs = packed.size(0) / 2;
+  const int64_t pair_bytes = 2 * k_total * kPanel * packed.element_size();
   const int64_t passes = (rows + kRows - 1) / kRows;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t col = p * 2 * kPanel;
       const int valid = static_cast<int>(std::min<int64_t>(2 * kPanel, out_features - col));
-      const float* panel = w + p * 2 * k_total * kPanel;
       // The rows in as few passes as tiles allow, of even sizes (16 rows as 8 + 8, not
       // 12 + 4): a pass's products cost its rows, and only the first reads from memory.
       for (int64_t m = 0, pass = 0; pass < passes; ++pass) {
         const int64_t r = (rows - m) / (passes - pass);
-        kTiles[r - 1](xs + m * k_total, k_total, panel, b == nullptr ? nullptr : b + col, valid,
-                      o + m * out_features + col, out_features);
+        tiles[r - 1](xs + m * x_row, k_total, w + p * pair_bytes,
+                     b == nullptr ? nullptr : b + col, valid,
+                     o + (m * out_features + col) * o_elem, out_features);
         m += r;
       }
     }

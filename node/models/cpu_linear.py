@@ -138,12 +138,19 @@ def _mkl_agrees(weight: torch.Tensor, packed: PackedWeight) -> bool:
 
 
 def _panels_available(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and cpu_extension.has_avx512() and cpu_extension.load()
+    return (
+        (
+            weight.dtype == torch.float32
+            or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)
+        )
+        and cpu_extension.has_avx512()
+        and cpu_extension.load()
+    )
 
 
 def pack(weight: torch.Tensor) -> PackedWeight:
-    """``weight`` ([out_features, in_features]) in panels (float32 on AVX-512 CPUs), MKL's
-    layout (float32, where MKL's products check out for its shape) or oneDNN's."""
+    """``weight`` ([out_features, in_features]) in panels (float32 and bfloat16 on AVX-512
+    CPUs), MKL's layout (float32, where MKL's products check out for its shape) or oneDNN's."""
     weight = weight.detach().contiguous()
     if _panels_available(weight):
         data = torch.ops.pagedllm_cpu.pack_linear_weight(weight)

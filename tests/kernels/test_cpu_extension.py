@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
+
+import pytest
 
 from pagedllm.kernels import cpu_extension
 
@@ -63,3 +67,43 @@ def test_the_kernels_can_be_turned_off(tmp_path: Path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["fallback"]
     assert not any(tmp_path.iterdir())
+
+
+# Each instruction-set path is compiled on every x86 machine, whatever its CPU: the library a
+# machine builds holds only the paths of its own CPU. The instruction each path is for must be
+# in the object.
+ISA_PATHS = {
+    "avx512_bf16": (
+        ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],
+        {"panel_linear_cpu.cpp": "vdpbf16ps", "quant_linear_cpu.cpp": "vcvtne2ps2bf16"},
+    ),
+}
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None,
+    reason="the x86 paths are compiled with g++ on x86 machines",
+)
+@pytest.mark.parametrize("isa", sorted(ISA_PATHS))
+def test_every_instruction_set_path_compiles_on_every_x86_machine(isa: str, tmp_path: Path):
+    from torch.utils import cpp_extension
+
+    flags, instructions = ISA_PATHS[isa]
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    includes.append(f"-I{sysconfig.get_paths()['include']}")
+    for source, instruction in instructions.items():
+        assert source in cpu_extension.SOURCES
+        obj = tmp_path / f"{source}.o"
+        build = subprocess.run(
+            ["g++", "-std=c++20", "-fPIC", "-O2", "-fopenmp", *flags, *includes]
+            + ["-DTORCH_EXTENSION_NAME=pagedllm_cpu", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+            + ["-c", str(cpu_extension.CSRC / source), "-o", str(obj)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert build.returncode == 0, build.stderr[-4000:]
+        listing = subprocess.run(
+            ["objdump", "-d", str(obj)], capture_output=True, text=True, check=True
+        ).stdout
+        assert f"\t{instruction} " in listing or f" {instruction} " in listing, source

@@ -1,4 +1,5 @@
-"""Packed matmuls (the C++ panels for float32 on AVX-512 CPUs, else MKL; oneDNN for bfloat16):
+"""Packed matmuls (the C++ panels for float32 and bfloat16 on AVX-512 CPUs, else MKL for
+float32 and oneDNN):
 the same numbers as ``F.linear``; oneDNN's on a bounded set of row counts (it keeps a
 primitive per input shape it sees, so unbounded shapes grow the worker)."""
 
@@ -69,21 +70,46 @@ def test_leading_dimensions_and_strided_inputs_are_kept(dtype: torch.dtype) -> N
 PANELS = cpu_extension.has_avx512() and cpu_extension.load()
 
 
+def float32_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``F.linear`` in float32 over the same values, rounded to ``x``'s dtype once at the end:
+    what the panels compute (float32 products and sums)."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.float(), b).to(x.dtype)
+
+
 @pytest.mark.skipif(not PANELS, reason="the panel matmul needs AVX-512 and the C++ kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_features", [1, 16, 40, 64, 97])
-def test_float32_weights_in_panels_equal_f_linear_at_every_row_count(out_features: int) -> None:
+def test_weights_in_panels_equal_f_linear_at_every_row_count(out_features, dtype) -> None:
     torch.manual_seed(out_features)
-    weight, bias = torch.randn(out_features, 72), torch.randn(out_features)
+    weight = torch.randn(out_features, 72, dtype=dtype)
+    bias = torch.randn(out_features, dtype=dtype)
     packed = cpu_linear.pack(weight)
-    assert packed.panels and packed.stand_in is None
+    assert packed.panels and packed.stand_in is None and packed.data.dtype == dtype
     # Pairs of 16-feature panels, the padding zero: the weight's bytes and less than a pair.
-    assert weight.numel() * 4 <= packed.nbytes < (out_features + 32) * 72 * 4
+    size = weight.element_size()
+    assert weight.numel() * size <= packed.nbytes < (out_features + 32) * 72 * size
     for rows in [*range(0, 27), 47, 300]:  # every tile of up to 12 rows, and their sums
-        x = torch.randn(rows, 72)
+        x = torch.randn(rows, 72, dtype=dtype)
         for b in (bias, None):
             ours = cpu_linear.linear(x, packed, b)
-            assert ours.shape == (rows, out_features)
-            torch.testing.assert_close(ours, F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
+            assert ours.shape == (rows, out_features) and ours.dtype == dtype
+            if dtype == torch.float32:
+                torch.testing.assert_close(ours, F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
+            else:  # the float32 result rounded once: equal but for a last bit of rounding
+                want = float32_product(x, weight, b)
+                torch.testing.assert_close(ours, want, atol=0, rtol=2**-7)
+
+
+@pytest.mark.skipif(not PANELS, reason="the panel matmul needs AVX-512 and the C++ kernels")
+def test_a_bfloat16_weight_of_odd_width_stays_with_onednn() -> None:
+    weight = torch.randn(40, 23, dtype=torch.bfloat16)
+    packed = cpu_linear.pack(weight)
+    assert not packed.panels and packed.data.is_mkldnn
+    x = torch.randn(3, 23, dtype=torch.bfloat16)
+    torch.testing.assert_close(
+        cpu_linear.linear(x, packed, None), F.linear(x, weight), atol=5e-2, rtol=5e-2
+    )
 
 
 @pytest.mark.skipif(not PANELS, reason="the panel matmul needs AVX-512 and the C++ kernels")
@@ -96,8 +122,12 @@ def test_the_panel_matmul_refuses_what_does_not_fit_its_weight() -> None:
         panel_linear(torch.randn(2, 24), packed.data, 80, None)
     with pytest.raises(RuntimeError, match="bias of out_features values"):
         panel_linear(torch.randn(2, 24), packed.data, 40, torch.randn(39))
-    with pytest.raises(RuntimeError, match="float32 input"):
+    with pytest.raises(RuntimeError, match="bias of out_features values in the weight's dtype"):
+        panel_linear(torch.randn(2, 24), packed.data, 40, torch.randn(40).bfloat16())
+    with pytest.raises(RuntimeError, match="float32 input and weight, or bfloat16"):
         panel_linear(torch.randn(2, 24, dtype=torch.bfloat16), packed.data, 40, None)
+    with pytest.raises(RuntimeError, match="bfloat16 weight of an even in_features"):
+        torch.ops.pagedllm_cpu.pack_linear_weight(torch.randn(4, 5, dtype=torch.bfloat16))
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
@@ -185,3 +215,19 @@ def test_primitive_caches_hold_a_bounded_number_of_row_counts():
     # ... but twice as many new row counts once the caches are full take their places: with
     # the default capacities (1,024) they would add twice as much again.
     assert beyond < filling / 4
+
+
+@pytest.mark.skipif(
+    not PANELS or "avx512_bf16" not in cpu_extension.cpu_flags(),
+    reason="this CPU has no AVX512-BF16: its vdpbf16ps products are compiled "
+    "(tests/kernels/test_cpu_extension.py) but run only on CPUs that have it",
+)
+def test_bfloat16_panels_take_vdpbf16ps_products_where_the_cpu_has_them() -> None:
+    assert "-mavx512bf16" in cpu_extension.compiler_flags()
+    torch.manual_seed(0)
+    weight = torch.randn(200, 576, dtype=torch.bfloat16)
+    packed = cpu_linear.pack(weight)
+    for rows in (1, 12, 13, 64):
+        x = torch.randn(rows, 576, dtype=torch.bfloat16)
+        want = float32_product(x, weight, None)
+        torch.testing.assert_close(cpu_linear.linear(x, packed, None), want, atol=0, rtol=2**-7)
