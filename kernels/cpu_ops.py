@@ -21,6 +21,11 @@ import torch.nn.functional as F
 from pagedllm.kernels import cpu_extension, layer_ops
 from pagedllm.kernels import quant_linear as quant_reference
 from pagedllm.kernels.reference import copy_blocks as copy_blocks
+from pagedllm.kernels.reference import to_cache
+
+# The 8-bit floats a cache may hold besides the activations' dtype; read in place by the C++
+# decode kernel, widened per chunk for torch's prefill attention.
+EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Steps of at most this many tokens of a sequence run as decode rows: a row per query reads
 # the sequence's keys in place, which for a few queries beats gathering a copy per sequence
@@ -36,10 +41,10 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter ``key``/``value`` into the cache; a slot of -1 is not written."""
+    same = key.dtype == k_cache.dtype and value.dtype == v_cache.dtype
     if (
         cpu_extension.load()
-        and key.dtype == k_cache.dtype
-        and value.dtype == v_cache.dtype
+        and (same or k_cache.dtype in EIGHT_BIT)
         and slot_mapping.dtype == torch.long
     ):
         torch.ops.pagedllm_cpu.write_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -48,8 +53,11 @@ def write_kv(
     if bool((slots < 0).any()):
         keep = slots >= 0
         key, value, slots = key[keep], value[keep], slots[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+    for x, cache in ((key, k_cache), (value, v_cache)):
+        rows = to_cache(x, cache.dtype)
+        if cache.dtype in EIGHT_BIT:  # index_copy_ has no 8-bit float kernel: copy the bytes
+            rows, cache = rows.view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
 
 
 def _fused(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
@@ -109,10 +117,13 @@ def quant_linear(
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``[B, Hkv, num_tokens, D]`` (a strided view of a copy) of each sequence's first tokens."""
+def _gather(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[B, Hkv, num_tokens, D]`` (a strided view of a copy, in ``dtype``) of each sequence's
+    first tokens."""
     num_blocks = (num_tokens + cache.shape[1] - 1) // cache.shape[1]
-    blocks = cache[block_tables[:, :num_blocks].long()]
+    blocks = cache[block_tables[:, :num_blocks].long()].to(dtype)
     flat = blocks.reshape(blocks.shape[0], -1, *cache.shape[2:])
     return flat[:, :num_tokens].transpose(1, 2)
 
@@ -165,8 +176,8 @@ def decode_attention(
         )
     seq_lens_k = seq_lens_k.long()
     num_keys = int(seq_lens_k.max())
-    k = _gather(k_cache, block_tables, num_keys)
-    v = _gather(v_cache, block_tables, num_keys)
+    k = _gather(k_cache, block_tables, num_keys, q.dtype)
+    v = _gather(v_cache, block_tables, num_keys, q.dtype)
     allowed = _allowed((seq_lens_k - 1)[:, None], seq_lens_k, num_keys, sliding_window)
     return _sdpa(q[:, :, None], k, v, allowed, scale)[:, 0]
 
@@ -187,7 +198,8 @@ def paged_attention(
     num_seqs = seq_lens_k.shape[0]
     if num_seqs == 0:
         return torch.empty_like(q)
-    if q.dtype != k_cache.dtype:  # a cache kept in another dtype than the activations
+    if q.dtype != k_cache.dtype and k_cache.dtype not in EIGHT_BIT:
+        # a cache kept in another float dtype than the activations
         return paged_attention(
             q.to(k_cache.dtype),
             k_cache,
@@ -228,8 +240,8 @@ def paged_attention(
         )
     for i in (q_lens > MAX_ROWS_AS_DECODE).nonzero()[:, 0].tolist():
         start, q_len, k_len = int(starts[i]), int(q_lens[i]), int(seq_lens_k[i])
-        k = _gather(k_cache, block_tables[i : i + 1], k_len)
-        v = _gather(v_cache, block_tables[i : i + 1], k_len)
+        k = _gather(k_cache, block_tables[i : i + 1], k_len, q.dtype)
+        v = _gather(v_cache, block_tables[i : i + 1], k_len, q.dtype)
         positions = torch.arange(k_len - q_len, k_len, device=q.device)[None]
         allowed = _allowed(positions, seq_lens_k[i : i + 1], k_len, sliding_window)
         out[start : start + q_len] = _sdpa(

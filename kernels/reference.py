@@ -7,6 +7,7 @@ the CPU. Layout shared by all of them:
   num_kv_heads, head_dim]``; a token's slot is ``block_id * block_size + offset``;
 - queries of a mixed batch are laid out varlen: sequence ``i`` owns rows
   ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of ``q`` (``[num_tokens, num_heads, head_dim]``);
+- a cache holds the activations' dtype, or 8-bit floats (``to_cache``) read at their value;
 - ``seq_lens_k[i]`` counts all of sequence ``i``'s tokens whose KV is in the cache, the new
   ones included, so its queries sit at positions ``seq_lens_k[i] - q_len .. seq_lens_k[i] - 1``.
 """
@@ -21,6 +22,16 @@ from pagedllm.kernels.layer_ops import rms_norm as rms_norm
 from pagedllm.kernels.layer_ops import rotary_embedding as rotary_embedding
 from pagedllm.kernels.layer_ops import silu_and_mul as silu_and_mul
 from pagedllm.kernels.quant_linear import quant_linear as quant_linear
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` holds it: an 8-bit float cache (``float8_e4m3fn``,
+    ``float8_e5m2``) saturates at its largest finite value, then rounds to nearest even; other
+    dtypes are a plain cast. The scale is 1, as vLLM's without calibrated scales."""
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        limit = torch.finfo(dtype).max
+        return x.float().clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
 
 
 def write_kv(
@@ -38,8 +49,8 @@ def write_kv(
     slots = slot_mapping[keep]
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    flat_k[slots] = key[keep].to(k_cache.dtype)
-    flat_v[slots] = value[keep].to(v_cache.dtype)
+    flat_k[slots] = to_cache(key[keep], k_cache.dtype)
+    flat_v[slots] = to_cache(value[keep], v_cache.dtype)
 
 
 def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:

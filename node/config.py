@@ -16,6 +16,9 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 # How weights are held (pagedllm.models.quantized): None keeps a GGUF file's quantized tensors
 # quantized, and every other weight in the dtype.
 QUANTIZATION_CHOICES = ("gguf", "int8", "none")
+# The KV cache's element (vLLM's names): "auto" keeps the model's dtype; the 8-bit floats hold
+# about twice a bfloat16 cache's tokens in the same memory. "fp8" is "fp8_e4m3".
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -36,7 +39,9 @@ class EngineConfig:
     ``max_loras`` of them in one step, of rank at most ``max_lora_rank``, with
     ``max_cpu_loras`` (default ``max_loras``) kept loaded.
     ``enforce_eager`` runs every step through the eager modules, never the decode graph
-    (``pagedllm.models.decode_graph``).
+    (``pagedllm.models.decode_graph``). ``kv_cache_dtype`` (vLLM's ``--kv-cache-dtype``) keeps
+    the KV cache in the model's dtype (``auto``) or in 8-bit floats (``fp8`` = ``fp8_e4m3``,
+    ``fp8_e5m2``), written rounded to nearest and saturated, read as they are.
     """
 
     model: str | None = None
@@ -60,11 +65,12 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     enforce_eager: bool = False
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        if self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        _one_of("dtype", self.dtype, DTYPE_CHOICES)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}"
@@ -83,10 +89,7 @@ class EngineConfig:
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.kernel_backend not in BACKENDS:
-            raise ValueError(
-                f"kernel_backend must be one of {BACKENDS}, got {self.kernel_backend!r}"
-            )
+        _one_of("kernel_backend", self.kernel_backend, BACKENDS)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         _positive("max_loras", self.max_loras)
@@ -131,6 +134,11 @@ def scheduler_config(config: EngineConfig, num_blocks: int, max_model_len: int) 
         max_loras=config.max_loras if config.enable_lora else 0,
         max_cpu_loras=(config.max_cpu_loras or config.max_loras) if config.enable_lora else 0,
     )
+
+
+def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 def _positive(name: str, value: object) -> None:

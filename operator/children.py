@@ -224,6 +224,8 @@ def serve_args(spec: PagedLLMSpec, model_path: str | None) -> list[str]:
         args += ["--max-model-len", str(engine.max_model_len)]
     if engine.quantization is not None:
         args += ["--quantization", engine.quantization]
+    if engine.kv_cache_dtype != "auto":  # absent, the pod templates of earlier releases stay
+        args += ["--kv-cache-dtype", engine.kv_cache_dtype]
     if engine.speculative is not None:
         args += ["--speculative-config", engine.speculative.to_json()]
     if spec.observability.otlp_endpoint is not None:

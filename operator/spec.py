@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
 
-from pagedllm.config import QUANTIZATION_CHOICES
+from pagedllm.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from pagedllm.core.speculative import SpeculativeConfig, parse_speculative_config
 
 GROUP = "pagedllm.io"
@@ -143,6 +143,7 @@ class EngineSpec:
     max_model_len: int | None = None
     dtype: str = "auto"
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     extra_args: tuple[str, ...] = ()
@@ -371,6 +372,12 @@ def parse_spec(raw: Mapping[str, Any]) -> PagedLLMSpec:
             f"spec.engine.quantization: {quantization!r} is not one of "
             f"{', '.join(QUANTIZATION_CHOICES)}"
         )
+    kv_cache_dtype = _pick(engine_raw, "kvCacheDtype", defaults.kv_cache_dtype, str, "engine.")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InvalidSpec(
+            f"spec.engine.kvCacheDtype: {kv_cache_dtype!r} is not one of "
+            f"{', '.join(KV_CACHE_DTYPES)}"
+        )
     engine = EngineSpec(
         block_size=_pick(engine_raw, "blockSize", defaults.block_size, int, "engine."),
         gpu_memory_utilization=_pick(
@@ -384,6 +391,7 @@ def parse_spec(raw: Mapping[str, Any]) -> PagedLLMSpec:
         max_model_len=_pick(engine_raw, "maxModelLen", None, int, "engine."),
         dtype=_pick(engine_raw, "dtype", defaults.dtype, str, "engine."),
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         tensor_parallel_size=_pick(
             engine_raw, "tensorParallelSize", defaults.tensor_parallel_size, int, "engine."
         ),

@@ -217,15 +217,42 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
   TORCH_CHECK(key.sizes() == value.sizes() && key.size(1) == k_cache.size(2) &&
                   key.size(2) == k_cache.size(3),
               "key and value must be [num_tokens, num_kv_heads, head_dim] of the caches");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() &&
-                  value.scalar_type() == v_cache.scalar_type(),
-              "key and value must be in the caches' dtype");
+  const auto cache_type = k_cache.scalar_type();
+  const bool eight_bit = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  TORCH_CHECK(cache_type == v_cache.scalar_type() && key.scalar_type() == value.scalar_type() &&
+                  (key.scalar_type() == cache_type || eight_bit),
+              "key and value must be in the caches' dtype, or the caches 8-bit floats");
   TORCH_CHECK(key.stride(1) == key.size(2) && value.stride(1) == value.size(2),
               "each token's heads must be contiguous");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == key.size(0),
               "slots must be int64 [num_tokens]");
   const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  if (eight_bit && key.scalar_type() != cache_type) {
+    const int64_t row = key.size(1) * key.size(2);
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    DISPATCH_MODEL_TYPES(key.scalar_type(), "write_kv_8bit", [&] {
+      const auto write = [&](auto* cache, const at::Tensor& x) {
+        using C = std::remove_pointer_t<decltype(cache)>;
+        const scalar_t* src = x.data_ptr<scalar_t>();
+        for (int64_t t = 0; t < x.size(0); ++t) {
+          if (slot[t] < 0) continue;
+          TORCH_CHECK(slot[t] < capacity, "slot ", slot[t], " is outside the cache");
+          const scalar_t* in = src + t * x.stride(0);
+          C* out = cache + slot[t] * row;
+          for (int64_t i = 0; i < row; ++i) out[i] = to_cache<C>(float(in[i]));
+        }
+      };
+      if (cache_type == at::kFloat8_e4m3fn) {
+        write(static_cast<c10::Float8_e4m3fn*>(k_cache.data_ptr()), key);
+        write(static_cast<c10::Float8_e4m3fn*>(v_cache.data_ptr()), value);
+      } else {
+        write(static_cast<c10::Float8_e5m2*>(k_cache.data_ptr()), key);
+        write(static_cast<c10::Float8_e5m2*>(v_cache.data_ptr()), value);
+      }
+    });
+    return;
+  }
   const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
   const int64_t* slot = slots.data_ptr<int64_t>();
   auto* kc = static_cast<char*>(k_cache.data_ptr());

@@ -3,6 +3,7 @@
 //
 // Layout as in pagedllm/kernels/reference.py: caches [num_blocks, block_size, num_kv_heads,
 // head_dim], block_tables [num_seqs, max_blocks] int32, q [num_seqs, num_heads, head_dim].
+// The caches hold q's dtype or 8-bit floats, widened in registers as each row is read.
 //
 // A work item is one KV head of one sequence. Its keys are walked block by block (no division
 // per key), the next block's rows prefetched. The common head sizes (64, 128) take a path
@@ -195,7 +196,8 @@ void attend_group_plain(const float* query, const T* k, const T* v, const Job& j
   });
 }
 
-template <typename T>
+// T: the queries' and output's dtype; C: the caches' (T, or an 8-bit float read in place).
+template <typename T, typename C>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
                       float scale, int64_t window) {
@@ -203,8 +205,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  const C* k_ptr = static_cast<const C*>(k_cache.data_ptr());
+  const C* v_ptr = static_cast<const C*>(v_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   // int32 (the engine's step metadata) or int64 lengths, read once here rather than
   // converted by a tensor op per layer.
@@ -242,19 +244,19 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = float(src[d]) * scale;
       }
       scores.resize(group * padded(job.keys()));
-      const T* k = k_ptr + kv_head * head_dim;
-      const T* v = v_ptr + kv_head * head_dim;
-      if constexpr (!std::is_same_v<T, double>) {
+      const C* k = k_ptr + kv_head * head_dim;
+      const C* v = v_ptr + kv_head * head_dim;
+      if constexpr (!std::is_same_v<C, double>) {
         if (head_dim == 4 * kWidth) {
-          attend_group<T, 4>(query.data(), k, v, job, group, scores.data(), acc.data());
+          attend_group<C, 4>(query.data(), k, v, job, group, scores.data(), acc.data());
         } else if (head_dim == 8 * kWidth) {
-          attend_group<T, 8>(query.data(), k, v, job, group, scores.data(), acc.data());
+          attend_group<C, 8>(query.data(), k, v, job, group, scores.data(), acc.data());
         } else {
-          attend_group_plain<T>(query.data(), k, v, job, group, head_dim, scores.data(),
+          attend_group_plain<C>(query.data(), k, v, job, group, head_dim, scores.data(),
                                 acc.data());
         }
       } else {
-        attend_group_plain<T>(query.data(), k, v, job, group, head_dim, scores.data(),
+        attend_group_plain<C>(query.data(), k, v, job, group, head_dim, scores.data(),
                               acc.data());
       }
       T* dst = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
@@ -272,9 +274,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
               "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  const auto cache_type = k_cache.scalar_type();
+  const bool eight_bit = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  TORCH_CHECK(cache_type == v_cache.scalar_type() && (q.scalar_type() == cache_type || eight_bit),
+              "the caches must share a dtype: q's, or an 8-bit float (float8_e4m3fn, "
+              "float8_e5m2)");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "head_dim must match and num_heads be a multiple of num_kv_heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
@@ -284,10 +288,23 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                   seq_lens.is_contiguous() && seq_lens.numel() == q.size(0),
               "seq_lens must be int32 or int64 [num_seqs]");
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_attention<scalar_t>(q, k_cache, v_cache, block_tables, seq_lens, out,
-                               static_cast<float>(scale), window);
-  });
+  const float s = static_cast<float>(scale);
+  if (!eight_bit) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+      decode_attention<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, seq_lens, out, s,
+                                           window);
+    });
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+      if (cache_type == at::kFloat8_e4m3fn) {
+        decode_attention<scalar_t, c10::Float8_e4m3fn>(q, k_cache, v_cache, block_tables,
+                                                       seq_lens, out, s, window);
+      } else {
+        decode_attention<scalar_t, c10::Float8_e5m2>(q, k_cache, v_cache, block_tables,
+                                                     seq_lens, out, s, window);
+      }
+    });
+  }
   return out;
 }
 

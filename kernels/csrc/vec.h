@@ -41,6 +41,47 @@ inline vfloat load(const c10::Half* p) {
   return load(tmp);
 }
 
+// 8-bit floats (the KV cache's fp8_e4m3 and fp8_e5m2) widened exactly: a normal value's
+// exponent rebased and its mantissa moved up; a subnormal (exponent field 0) is its mantissa
+// times 2^(1 - BIAS - MANT). Never a float32 subnormal, which would cost a microcode assist.
+// The formats' NaN and infinity codes are never written (writes saturate) and read as finite.
+typedef uint8_t vbyte __attribute__((vector_size(kWidth)));
+
+template <int MANT, int BIAS>
+inline vfloat load_fp8(const void* p) {
+  vbyte bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  const vuint w = __builtin_convertvector(bytes, vuint);
+  const vuint magnitude = w & 0x7Fu;
+  const vuint normal_bits = (magnitude << (23 - MANT)) + ((127u - BIAS) << 23);
+  vfloat normal;
+  std::memcpy(&normal, &normal_bits, sizeof normal);
+  const vfloat subnormal =
+      __builtin_convertvector(magnitude, vfloat) * (1.0f / float(1u << (BIAS + MANT - 1)));
+  const vfloat v = (magnitude >> MANT) == 0 ? subnormal : normal;
+  vuint bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits |= (w & 0x80u) << 24;
+  vfloat out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+inline vfloat load(const c10::Float8_e4m3fn* p) { return load_fp8<3, 7>(p); }
+inline vfloat load(const c10::Float8_e5m2* p) { return load_fp8<2, 15>(p); }
+
+// A float as an 8-bit cache holds it: saturated at the format's largest finite value, then
+// rounded to nearest even (c10's conversion, which torch's casts use).
+template <typename C>
+inline C to_cache(float x) {
+  if constexpr (std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>) {
+    const float limit = std::is_same_v<C, c10::Float8_e4m3fn> ? 448.0f : 57344.0f;
+    return C(x != x ? x : x > limit ? limit : x < -limit ? -limit : x);
+  } else {
+    return C(x);
+  }
+}
+
 inline float sum(vfloat v) {
   float s = 0.f;
   for (int i = 0; i < kWidth; ++i) s += v[i];

@@ -54,13 +54,13 @@ class DecodeGraph:
 
     def covers(self, x: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> bool:
         """Whether this step is one the graph runs: a token per sequence, activations in the
-        norms' dtype, caches in theirs."""
+        norms' dtype, caches in theirs or in 8-bit floats."""
         return (
             meta.max_seqlen_q == 1
             and x.shape[0] == meta.seq_lens_k.shape[0]
             and x.dtype == self.final_norm.dtype
             and meta.slot_mapping.dtype == torch.long
-            and all(k.dtype == x.dtype for k, _ in kv_caches)
+            and all(k.dtype in (x.dtype, *cpu_ops.EIGHT_BIT) for k, _ in kv_caches)
         )
 
     def run(

@@ -18,6 +18,7 @@ from pagedllm.api.limits import MAX_N_LIMIT, RequestLimits
 from pagedllm.api.tool_parsers import PARSERS
 from pagedllm.config import (
     DTYPE_CHOICES,
+    KV_CACHE_DTYPES,
     QUANTIZATION_CHOICES,
     EngineConfig,
     resolve_model_dir,
@@ -233,6 +234,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "quantize float weights to int8 in groups of 32; none: de-quantize into --dtype",
     )
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="the KV cache's element: auto (the model's dtype), or 8-bit floats (fp8 = "
+        "fp8_e4m3, fp8_e5m2) holding twice a bfloat16 cache's tokens in the same memory",
+    )
     p.add_argument(
         "--gpu-memory-utilization",
         type=fraction,
@@ -457,6 +465,7 @@ def serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Serve
             max_lora_rank=ns.max_lora_rank,
             max_cpu_loras=ns.max_cpu_loras,
             enforce_eager=ns.enforce_eager,
+            kv_cache_dtype=ns.kv_cache_dtype,
         )
     except ValueError as error:
         parser.error(str(error))

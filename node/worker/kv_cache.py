@@ -6,6 +6,19 @@ import os
 
 import torch
 
+# The 8-bit cache elements by their vLLM names ("auto" is the model's dtype).
+FP8_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element the cache holds for ``--kv-cache-dtype`` (validated by EngineConfig)."""
+    return FP8_DTYPES.get(kv_cache_dtype, model_dtype)
+
+
 # Share of the available memory the CPU cache takes by default, and its ceiling.
 CPU_KV_FRACTION = 0.1
 CPU_KV_CEILING = 4 << 30

@@ -64,6 +64,7 @@ class ModelRunner:
             tp_size=tp_size,
         )
         self.dtype = next(self.model.parameters()).dtype
+        self.cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
@@ -81,7 +82,7 @@ class ModelRunner:
             self.block_size,
             self.num_kv_heads,
             mc.head_dim,
-            self.dtype,
+            self.cache_dtype,
             self.device,
         )
         self.loras: LoRAManager | None = None
@@ -109,7 +110,7 @@ class ModelRunner:
     def _block_bytes(self) -> int:
         mc = self.model_config
         return kv_cache.block_bytes(
-            mc.num_hidden_layers, self.block_size, self.num_kv_heads, mc.head_dim, self.dtype
+            mc.num_hidden_layers, self.block_size, self.num_kv_heads, mc.head_dim, self.cache_dtype
         )
 
     def _size_cache(self) -> tuple[int, int]:
@@ -135,7 +136,7 @@ class ModelRunner:
             self.block_size,
             self.num_kv_heads,
             mc.head_dim,
-            self.dtype,
+            self.cache_dtype,
             self.device,
         )
         positions = torch.arange(tokens, device=self.device)

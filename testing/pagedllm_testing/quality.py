@@ -37,9 +37,22 @@ TEXT = Path(__file__).with_name("data") / "perplexity.txt"
 TEXT_TOKENS = 2000
 
 
-def chunked_logits(model: CausalLM, ids: list[int], chunk: int = CHUNK) -> torch.Tensor:
-    """``[len(ids), vocab]`` logits of one sequence fed ``chunk`` tokens a step."""
-    run = PagedRun(model, 16, num_blocks=len(ids) // 16 + 1)
+def activations_dtype(model: CausalLM) -> torch.dtype:
+    """The dtype the engine keeps a model's KV cache in by default (its norms')."""
+    return model.model.norm.weight.dtype
+
+
+def chunked_logits(
+    model: CausalLM, ids: list[int], chunk: int = CHUNK, cache_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``[len(ids), vocab]`` logits of one sequence fed ``chunk`` tokens a step, its KV cache
+    in ``cache_dtype`` (default: the activations')."""
+    run = PagedRun(
+        model,
+        16,
+        num_blocks=len(ids) // 16 + 1,
+        cache_dtype=cache_dtype or activations_dtype(model),
+    )
     sequence = PagedSequence(torch.tensor(ids))
     outputs = []
     for start in range(0, len(ids), chunk):
@@ -48,8 +61,10 @@ def chunked_logits(model: CausalLM, ids: list[int], chunk: int = CHUNK) -> torch
     return torch.cat(outputs)
 
 
-def perplexity(model: CausalLM, ids: list[int], chunk: int = CHUNK) -> float:
-    logits = chunked_logits(model, ids, chunk)[:-1].float()
+def perplexity(
+    model: CausalLM, ids: list[int], chunk: int = CHUNK, cache_dtype: torch.dtype | None = None
+) -> float:
+    logits = chunked_logits(model, ids, chunk, cache_dtype)[:-1].float()
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
     return math.exp(nll.item())
 
@@ -65,11 +80,14 @@ class Agreement:
 
 
 def teacher_forced_agreement(
-    model: CausalLM, prompt: list[int], reference_tokens: list[int]
+    model: CausalLM,
+    prompt: list[int],
+    reference_tokens: list[int],
+    cache_dtype: torch.dtype | None = None,
 ) -> Agreement:
     """Over ``reference_tokens`` (another model's greedy continuation of ``prompt``), how often
     ``model``'s argmax given the reference's prefix is the reference's next token."""
-    logits = chunked_logits(model, prompt + reference_tokens)
+    logits = chunked_logits(model, prompt + reference_tokens, cache_dtype=cache_dtype)
     predicted = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
     agreeing = sum(p == t for p, t in zip(predicted, reference_tokens, strict=True))
     return Agreement(agreeing, len(reference_tokens))
@@ -83,10 +101,17 @@ def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
     return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
 
 
-def greedy_tokens(model: CausalLM, prompt: list[int], count: int) -> list[int]:
+def greedy_tokens(
+    model: CausalLM, prompt: list[int], count: int, cache_dtype: torch.dtype | None = None
+) -> list[int]:
     """``count`` greedy tokens after ``prompt``: the prompt fed ``CHUNK`` tokens a step, then
     one token a step, as the engine decodes."""
-    run = PagedRun(model, 16, num_blocks=(len(prompt) + count) // 16 + 1)
+    run = PagedRun(
+        model,
+        16,
+        num_blocks=(len(prompt) + count) // 16 + 1,
+        cache_dtype=cache_dtype or activations_dtype(model),
+    )
     sequence = PagedSequence(torch.tensor(prompt + [0] * count))
     logits = None
     for start in range(0, len(prompt), CHUNK):

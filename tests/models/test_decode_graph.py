@@ -19,6 +19,7 @@ from pagedllm.models import cpu_linear, decode_graph
 from pagedllm.models.decode_graph import DecodeGraph
 from pagedllm.models.loader import load_model
 from pagedllm.serve.args import serve_args
+from pagedllm.worker import kv_cache
 from pagedllm_testing.paged_logits import (
     CASES,
     SCHEDULE,
@@ -37,11 +38,20 @@ pytestmark = pytest.mark.skipif(
 DECODE_STEPS = sum(1 for chunks in SCHEDULE if all(n == 1 for n in chunks.values()))
 
 
-def run_schedule(model, tokens):
-    """The engine keeps its KV cache in the activations' dtype (the norms')."""
-    dtype = model.model.norm.weight.dtype
+def run_schedule(model, tokens, cache_dtype=None):
+    """The engine keeps its KV cache in the activations' dtype (the norms') unless told an
+    8-bit one."""
+    dtype = cache_dtype or model.model.norm.weight.dtype
     logits, run = paged_run(model, tokens, block_size=4, cache_dtype=dtype)
     return logits, run.kv_caches
+
+
+def assert_same_bits(ours, eager, caches, eager_caches):
+    for a, b in zip(ours, eager, strict=True):
+        assert torch.equal(a, b)
+    for (k, v), (k_eager, v_eager) in zip(caches, eager_caches, strict=True):
+        assert torch.equal(k.view(torch.uint8), k_eager.view(torch.uint8))
+        assert torch.equal(v.view(torch.uint8), v_eager.view(torch.uint8))
 
 
 @pytest.fixture
@@ -73,12 +83,32 @@ def test_the_graph_gives_the_eager_bits_on_every_architecture(tmp_path, case, dt
     logits, caches = run_schedule(model, tokens)
     # Prompts and the mixed step stay eager; each decode step is one call.
     assert len(graph_calls) == DECODE_STEPS and all(n in (1, 2) for n in graph_calls)
-    for ours, eager in zip(logits, eager_logits, strict=True):
-        assert torch.equal(ours, eager)
-    for (k, v), (k_eager, v_eager) in zip(caches, eager_caches, strict=True):
-        assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
-    if dtype == "float32":  # bfloat16 against transformers: tests/models/test_parity.py
+    assert_same_bits(logits, eager_logits, caches, eager_caches)
+    if dtype == "float32":  # bfloat16 against transformers: tests/models/test_smollm2.py
         assert_logits_match(logits, hf_logits(hf_model, tokens))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", ["llama-gqa", "qwen3-qk-norm", "mistral-sliding-window"])
+def test_the_graph_over_an_8bit_cache_gives_the_eager_bits(
+    tmp_path, case, dtype, cache_dtype, graph_calls
+):
+    """``--kv-cache-dtype fp8``: the graph writes and reads the 8-bit cache as the eager
+    modules do, bit for bit, and the logits stay near those of the model's own cache."""
+    save_hf_model(tmp_path, CASES[case])
+    model, _ = load_model(tmp_path, dtype=dtype)
+    tokens = token_sequences()
+    full_logits, _ = run_schedule(model, tokens)
+    eager_logits, eager_caches = run_schedule(model, tokens, cache_dtype)
+    model.model.decode_graph = decode_graph.build(model.model)
+    logits, caches = run_schedule(model, tokens, cache_dtype)
+    assert len(graph_calls) == DECODE_STEPS
+    assert all(k.dtype == cache_dtype for k, _ in caches)
+    assert_same_bits(logits, eager_logits, caches, eager_caches)
+    for ours, full in zip(logits, full_logits, strict=True):
+        # Tiny random models: 3 significant bits of K and V move logits of about 1 by tenths.
+        assert (ours.float() - full.float()).abs().max() < 0.5
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -99,10 +129,7 @@ def test_quantized_weights_run_through_the_graph_with_the_eager_bits(
     assert model.model.decode_graph is not None
     logits, caches = run_schedule(model, tokens)
     assert len(graph_calls) == DECODE_STEPS
-    for ours, eager in zip(logits, eager_logits, strict=True):
-        assert torch.equal(ours, eager)
-    for (k, v), (k_eager, v_eager) in zip(caches, eager_caches, strict=True):
-        assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
+    assert_same_bits(logits, eager_logits, caches, eager_caches)
 
 
 def test_models_the_graph_does_not_cover_run_eager(tmp_path, monkeypatch):
@@ -138,13 +165,25 @@ def test_enforce_eager_is_a_serve_flag():
     assert EngineConfig().enforce_eager is False
 
 
-def test_nothing_is_traced_or_compiled_at_any_batch_size_or_prompt_length(graph_calls):
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"),
+    [("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8"), ("bfloat16", "fp8_e5m2")],
+)
+def test_nothing_is_traced_or_compiled_at_any_batch_size_or_prompt_length(
+    graph_calls, dtype, kv_cache_dtype
+):
     """The graph takes every batch size as it comes: no trace per shape, no recompilation
-    (Dynamo's counters stay at zero), one call per decode step whatever its batch."""
+    (Dynamo's counters stay at zero), one call per decode step whatever its batch, in both
+    dtypes and both kinds of cache."""
     from torch._dynamo.utils import counters
 
     counters.clear()
-    llm = LLM(kv_cache_memory=16 * 2**20, max_num_seqs=8)
+    llm = LLM(
+        kv_cache_memory=16 * 2**20, max_num_seqs=8, dtype=dtype, kv_cache_dtype=kv_cache_dtype
+    )
+    runner = llm.engine.runner
+    assert runner.model.model.decode_graph is not None
+    assert runner.kv_caches[0][0].dtype == kv_cache.cache_dtype(kv_cache_dtype, runner.dtype)
     llm.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     sizes = set()
     for batch, prompt_words in ((1, 3), (3, 40), (8, 7), (5, 120)):

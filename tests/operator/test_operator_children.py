@@ -8,13 +8,15 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from pagedllm.cli import build_parser
 from pagedllm.operator.children import (
     build_children,
     build_deployment,
     build_horizontal_autoscaler,
     serve_args,
 )
-from pagedllm.operator.spec import PagedLLMSpec, effective_replicas, parse_spec
+from pagedllm.operator.spec import InvalidSpec, PagedLLMSpec, effective_replicas, parse_spec
+from pagedllm.serve.args import serve_args as cli_serve_args
 from pagedllm_testing.operator_harness import OWNER, SPECS
 
 KUBERNETES_VERSION = "1.32"
@@ -84,6 +86,19 @@ def test_serve_flags_follow_the_engine_spec() -> None:
     assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
     assert args[-2:] == ["--seed", "1"]
     assert "--max-model-len" not in args
+
+
+def test_the_kv_cache_dtype_reaches_the_serve_flag_and_is_checked() -> None:
+    for name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        spec = parse_spec({"model": {"servedName": "m"}, "engine": {"kvCacheDtype": name}})
+        args = serve_args(spec, None)
+        assert args[args.index("--kv-cache-dtype") + 1] == name
+        parsed = build_parser().parse_args(["serve", *args])
+        assert cli_serve_args(parsed, build_parser()).engine.kv_cache_dtype == name
+    # auto (the default) adds no flag: the pod templates of earlier releases stay as they were.
+    assert "--kv-cache-dtype" not in serve_args(parse_spec(SPECS["demo"]), None)
+    with pytest.raises(InvalidSpec, match=r"spec.engine.kvCacheDtype: 'int4' is not one of"):
+        parse_spec({"model": {"servedName": "m"}, "engine": {"kvCacheDtype": "int4"}})
 
 
 def test_speculative_decoding_reaches_the_serve_flag() -> None:
