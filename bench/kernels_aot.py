@@ -6,7 +6,10 @@ recorded instead of run, then compiles every distinct launch the way Triton's la
 (same signature, specialisation and options) for sm_80 (A100), sm_86 (A10G, RTX 30), sm_89
 (L4, RTX 40) and sm_90 (H100, H200), and reads registers and spills from ``ptxas -v``.
 Triton generates the same PTX for sm_80, sm_86 and sm_89 (checked here once per kernel), so
-those three share one Triton compile, each then assembled by ``ptxas`` for its own target.
+those three share one Triton compile, each then assembled by ``ptxas`` for its own target;
+attention over an 8-bit float cache is the exception (sm_89 converts 8-bit floats in hardware),
+compiled for sm_89 on its own. A configuration the dispatcher refuses on a target (a
+``float8_e4m3fn`` cache below sm_89) is recorded as refused there, with its message.
 
 Prints one line per configuration class (``--full``: per configuration) with the worst
 registers, spill bytes and shared memory on each target, writes every result as JSON
@@ -37,7 +40,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from concurrent.futures import ProcessPoolExecutor  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+from dataclasses import asdict, dataclass, field, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 from unittest import mock  # noqa: E402
@@ -56,10 +59,17 @@ SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 TARGETS = tuple(SHARED_LIMIT)
 # One Triton compile per family: its first target's PTX is assembled for the others.
 FAMILIES = {80: (80, 86, 89), 90: (90,)}
+# Attention over 8-bit float caches: sm_89 has the fp8 conversions sm_80 and sm_86 emulate.
+FP8_FAMILIES = {80: (80, 86), 89: (89,), 90: (90,)}
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 GROUPS = (1, 2, 4, 8)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# 8-bit float caches, read in the queries' dtype; fewer head sizes (each compile costs a second).
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_HEAD_DIMS = (64, 128)
+# (queries, cache) of the attention configurations: a cache of the queries' dtype, or 8-bit.
+ATTENTION_DTYPES = [(d, d) for d in DTYPES] + [(q, c) for c in FP8_CACHE_DTYPES for q in DTYPES]
 KV_HEADS = (1, 8)
 MODES = ("decode", "decode split-KV", "chunked prefill", "mixed")
 # The split count is a run-time value of both split-KV kernels; one stands for all.
@@ -68,19 +78,34 @@ BLOCK_SIZE = 16
 NUM_KV_HEADS = 8  # of the attention configurations: query heads = 8 x group
 WINDOW = 48
 
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+DTYPE_NAMES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "e4m3",
+    torch.float8_e5m2: "e5m2",
+}
 CACHE_DIR = cache_root() / "kernels-aot"
 
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration a dispatcher can choose; ``klass`` groups them for the summary."""
+    """One configuration a dispatcher can choose; ``klass`` groups them for the summary.
+
+    ``dtype`` names the activations' dtype, then after a slash an 8-bit cache's ("fp16/e4m3").
+    """
 
     kernel: str
     klass: str
     dtype: str
     head_dim: int
     detail: str = ""
+
+
+def dtype_label(activations: torch.dtype, cache: torch.dtype) -> str:
+    if cache == activations:
+        return DTYPE_NAMES[activations]
+    return f"{DTYPE_NAMES[activations]}/{DTYPE_NAMES[cache]}"
 
 
 @dataclass
@@ -90,6 +115,16 @@ class Launch:
     name: str
     args: tuple
     kwargs: dict
+    targets: tuple[int, ...] = ()  # that its compile is assembled for (set per family)
+
+
+@dataclass
+class Refusal:
+    """A configuration the dispatcher refuses on a family's targets."""
+
+    config: Config
+    targets: tuple[int, ...]
+    message: str
 
 
 @dataclass
@@ -103,15 +138,16 @@ class Job:
     attrs: dict
     options: dict
     family: int
+    targets: tuple[int, ...]
     verify_retarget: bool = False
 
     def key(self) -> str:
         fn = _kernel(self.module, self.name)
         source_hash = ASTSource(fn, self.signature, self.constexprs, self.attrs).hash()
-        text = json.dumps(
-            [triton.__version__, self.family, source_hash, sorted(self.options.items())],
-            default=str,
-        )
+        parts = [triton.__version__, self.family, source_hash, sorted(self.options.items())]
+        if self.targets != FAMILIES.get(self.family):
+            parts.append(self.targets)
+        text = json.dumps(parts, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -126,6 +162,7 @@ class Result:
     num_warps: int = 0
     num_stages: int = 0
     error: str = ""
+    refused: str = ""  # the dispatcher's message where it refuses the configuration
 
 
 @dataclass
@@ -136,6 +173,8 @@ class Row:
     def failures(self) -> list[str]:
         found = []
         for target, result in self.results.items():
+            if result.refused:
+                continue
             if result.error:
                 found.append(f"sm_{target}: compile error: {result.error}")
             elif result.spill_stores or result.spill_loads:
@@ -184,7 +223,9 @@ def _recording(config: list[Config]) -> Iterator[list[Launch]]:
         yield launches
 
 
-def _attention_batch(mode: str, group: int, head_dim: int, dtype: torch.dtype):
+def _attention_batch(
+    mode: str, group: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype
+):
     """q, caches and the sequence layout of a small batch of ``mode``."""
     q_lens = {
         "decode": [1, 1, 1],
@@ -196,7 +237,7 @@ def _attention_batch(mode: str, group: int, head_dim: int, dtype: torch.dtype):
     num_heads = NUM_KV_HEADS * group
     blocks_per_seq = triton.cdiv(max(kv_lens), BLOCK_SIZE)
     k_cache = torch.zeros(
-        len(q_lens) * blocks_per_seq, BLOCK_SIZE, NUM_KV_HEADS, head_dim, dtype=dtype
+        len(q_lens) * blocks_per_seq, BLOCK_SIZE, NUM_KV_HEADS, head_dim, dtype=cache_dtype
     )
     block_tables = torch.arange(k_cache.shape[0], dtype=torch.int32).view(len(q_lens), -1)
     q = torch.zeros(sum(q_lens), num_heads, head_dim, dtype=dtype)
@@ -210,63 +251,94 @@ def _supported(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype != torch.float32 or head_dim <= unified_attention.FP32_MAX_HEAD_DIM
 
 
-def _attention_launches(capability: tuple[int, int]) -> list[Launch]:
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_CACHE_DTYPES
+
+
+def _attention_launches(
+    capability: tuple[int, int], fp8_only: bool = False
+) -> tuple[list[Launch], list[Refusal]]:
+    """The attention and merge launches the dispatcher chooses for ``capability``, and the
+    configurations it refuses there."""
     current: list[Config] = [Config("", "", "", 0)]
+    refused: dict[Config, str] = {}
     with _recording(current) as launches:
-        for dtype in DTYPES:
-            for head_dim in HEAD_DIMS:
+        for dtype, cache_dtype in ATTENTION_DTYPES:
+            if fp8_only and not _is_fp8(cache_dtype):
+                continue
+            for head_dim in FP8_HEAD_DIMS if _is_fp8(cache_dtype) else HEAD_DIMS:
                 for group in GROUPS:
                     for mode in MODES:
                         for window in (None, WINDOW):
                             splits = NUM_KV_SPLITS if mode == "decode split-KV" else 1
-                            batch = _attention_batch(mode, group, head_dim, dtype)
+                            batch = _attention_batch(mode, group, head_dim, dtype, cache_dtype)
                             q, k_cache, block_tables, cu_seqlens_q, seq_lens_k, max_q = batch
                             detail = f"group {group}" + (", window" if window else "")
-                            current[0] = Config(
-                                "attention", mode, DTYPE_NAMES[dtype], head_dim, detail
-                            )
+                            label = dtype_label(dtype, cache_dtype)
+                            current[0] = Config("attention", mode, label, head_dim, detail)
                             if not _supported(dtype, head_dim):
                                 continue
-                            unified_attention.unified_attention(
-                                q, k_cache, k_cache, block_tables, cu_seqlens_q,
-                                seq_lens_k, 0.1, window, max_q, splits, capability,
-                            )  # fmt: skip
-    # The merge kernel's launches are classed by themselves.
-    for launch in launches:
-        if launch.name == "_merge_kv_splits_kernel":
-            launch.config = Config(
-                "split-KV merge", "decode split-KV", launch.config.dtype, launch.config.head_dim
-            )
-    return launches
+                            try:
+                                unified_attention.unified_attention(
+                                    q, k_cache, k_cache, block_tables, cu_seqlens_q,
+                                    seq_lens_k, 0.1, window, max_q, splits, capability,
+                                )  # fmt: skip
+                            except ValueError as error:
+                                if not _is_fp8(cache_dtype):
+                                    raise
+                                refused[current[0]] = str(error)
+    # The merge kernel's launches are classed by themselves, by the activations' dtype (it
+    # reads fp32 partial results, whatever the cache): those of 8-bit caches repeat others'.
+    merges = [launch for launch in launches if launch.name == "_merge_kv_splits_kernel"]
+    for launch in merges:
+        dtype = launch.config.dtype.split("/")[0]
+        launch.config = Config("split-KV merge", "decode split-KV", dtype, launch.config.head_dim)
+    if fp8_only:
+        launches = [launch for launch in launches if launch.name != "_merge_kv_splits_kernel"]
+    return launches, [Refusal(config, (), message) for config, message in refused.items()]
 
 
 def _cache_launches() -> list[Launch]:
     current: list[Config] = [Config("", "", "", 0)]
+    cache_dtypes = [(d, d, HEAD_DIMS) for d in DTYPES]
+    # 8-bit caches, written from activations of every dtype, at fewer head sizes.
+    cache_dtypes += [(d, c, FP8_HEAD_DIMS) for c in FP8_CACHE_DTYPES for d in DTYPES]
     with _recording(current) as launches:
-        for dtype in DTYPES:
-            for head_dim in HEAD_DIMS:
+        for dtype, cache_dtype, head_dims in cache_dtypes:
+            label = dtype_label(dtype, cache_dtype)
+            for head_dim in head_dims:
                 for kv_heads in KV_HEADS:
                     detail = f"{kv_heads} KV heads"
-                    cache = torch.zeros(4, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype)
+                    cache = torch.zeros(4, BLOCK_SIZE, kv_heads, head_dim, dtype=cache_dtype)
                     key = torch.zeros(3, kv_heads, head_dim, dtype=dtype)
                     slots = torch.tensor([0, 17, 33])
-                    current[0] = Config(
-                        "KV write", "KV write", DTYPE_NAMES[dtype], head_dim, detail
-                    )
+                    current[0] = Config("KV write", "KV write", label, head_dim, detail)
                     cache_ops.write_kv(key, key, cache, cache, slots)
-                    current[0] = Config(
-                        "block copy", "block copy", DTYPE_NAMES[dtype], head_dim, detail
-                    )
+                    if dtype != cache_dtype and dtype != torch.float16:
+                        continue  # one copy per cache dtype: it moves bytes
+                    copy_label = DTYPE_NAMES[cache_dtype]
+                    current[0] = Config("block copy", "block copy", copy_label, head_dim, detail)
                     cache_ops.copy_blocks([(cache, cache)], torch.tensor([[0, 1]]))
     return launches
 
 
-def launches_by_target() -> dict[int, list[Launch]]:
-    """Every launch the dispatchers choose, for each target family's compute capability."""
+def launches_by_target() -> tuple[dict[int, list[Launch]], list[Refusal]]:
+    """Every launch the dispatchers choose, for each target family's compute capability, each
+    with the targets its compile is assembled for; and the configurations refused."""
     shared = _cache_launches()
-    return {
-        family: _attention_launches((family // 10, family % 10)) + shared for family in FAMILIES
-    }
+    by_family: dict[int, list[Launch]] = {}
+    refusals: list[Refusal] = []
+    for family in sorted(FAMILIES.keys() | FP8_FAMILIES.keys()):
+        fp8_only = family not in FAMILIES
+        attention, refused = _attention_launches((family // 10, family % 10), fp8_only)
+        for launch in attention:
+            fp8 = launch.name == "_paged_attention_kernel" and "/" in launch.config.dtype
+            launch.targets = (FP8_FAMILIES if fp8 else FAMILIES)[family]
+        if not fp8_only:
+            attention += [replace(launch, targets=FAMILIES[family]) for launch in shared]
+        by_family[family] = attention
+        refusals += [Refusal(r.config, FP8_FAMILIES[family], r.message) for r in refused]
+    return by_family, refusals
 
 
 def _job(launch: Launch, family: int) -> Job:
@@ -278,7 +350,16 @@ def _job(launch: Launch, family: int) -> Job:
     options, signature, constexprs, attrs = fn._pack_args(
         backend, launch.kwargs, bound_args, specialization, options
     )
-    return Job(launch.module, launch.name, signature, constexprs, attrs, options.__dict__, family)
+    return Job(
+        launch.module,
+        launch.name,
+        signature,
+        constexprs,
+        attrs,
+        options.__dict__,
+        family,
+        launch.targets,
+    )
 
 
 PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
@@ -332,11 +413,11 @@ def compile_job(job: Job) -> dict[int, Result]:
         kernel, log = _triton_compile(job, job.family)
     except Exception as error:  # noqa: BLE001 - any compile failure is a result to report
         message = f"{type(error).__name__}: {error}".strip()[-800:]
-        return {target: Result(error=message) for target in FAMILIES[job.family]}
+        return {target: Result(error=message) for target in job.targets}
     metadata = kernel.metadata
     ptx = kernel.asm["ptx"]
     results = {job.family: _ptxas_result(log)}
-    for target in FAMILIES[job.family][1:]:
+    for target in job.targets[1:]:
         results[target] = _assemble(ptx, target, job.options.get("enable_fp_fusion", True))
         if job.verify_retarget:
             own = _triton_compile(job, target)[0].asm["ptx"]
@@ -381,14 +462,15 @@ def run_check(jobs: int) -> list[Row]:
     rows: dict[Config, Row] = {}
     pending: dict[str, Job] = {}
     wanted: list[tuple[Config, str]] = []
-    verified: set[str] = set()
-    for family, launches in launches_by_target().items():
+    verified: set[tuple[str, tuple[int, ...]]] = set()
+    by_family, refusals = launches_by_target()
+    for family, launches in by_family.items():
         for launch in launches:
             job = _job(launch, family)
             key = job.key()
-            if family != max(FAMILIES) and launch.name not in verified:
+            if len(job.targets) > 1 and (launch.name, job.targets) not in verified:
                 job.verify_retarget = True
-                verified.add(launch.name)
+                verified.add((launch.name, job.targets))
                 key = job.key() + "-verified"
             wanted.append((launch.config, key))
             pending.setdefault(key, job)
@@ -416,12 +498,20 @@ def run_check(jobs: int) -> list[Row]:
                     _store(key, compiled)
     for config, key in wanted:
         rows.setdefault(config, Row(config)).results.update(results[key])
+    for refusal in refusals:
+        for target in refusal.targets:
+            rows.setdefault(refusal.config, Row(refusal.config)).results[target] = Result(
+                refused=refusal.message
+            )
     return list(rows.values())
 
 
 def _cell(results: list[Result]) -> str:
     if any(result.error for result in results):
         return "ERROR"
+    results = [result for result in results if not result.refused]
+    if not results:
+        return "refused"
     registers = max(result.registers for result in results)
     spills = max(max(result.spill_stores, result.spill_loads) for result in results)
     shared = max(result.shared for result in results)
@@ -430,9 +520,30 @@ def _cell(results: list[Result]) -> str:
 
 def _launch_shape(results: list[Result]) -> list[str]:
     """The warps and the pipeline stages used, each as "a/b" where they vary."""
+    results = [result for result in results if not result.refused]
     warps = sorted({result.num_warps for result in results})
     stages = sorted({result.num_stages for result in results})
     return ["/".join(map(str, warps)), "/".join(map(str, stages))]
+
+
+def _kernel_label(config: Config) -> str:
+    """The kernel, and an 8-bit cache's format where it has one ("attention, e4m3 cache")."""
+    cache = config.dtype.split("/")[-1]
+    if cache in (DTYPE_NAMES[dtype] for dtype in FP8_CACHE_DTYPES):
+        return f"{config.kernel}, {cache} cache"
+    return config.kernel
+
+
+def _table_order(keys: list[tuple]):
+    """Attention (and merge) classes before the cache kernels', a cache's dtype's before an
+    8-bit cache's, each in the order the dispatchers chose them."""
+
+    def order(item: tuple) -> tuple:
+        label = item[0][0]
+        kernel, _, cache = label.partition(", ")
+        return (kernel in ("KV write", "block copy"), cache, keys.index(item[0]))
+
+    return order
 
 
 def table(rows: list[Row], full: bool) -> str:
@@ -441,14 +552,14 @@ def table(rows: list[Row], full: bool) -> str:
     groups: dict[tuple, list[Row]] = {}
     for row in rows:
         config = row.config
-        key = (config.kernel, config.klass, config.head_dim)
+        key = (_kernel_label(config), config.klass, config.head_dim)
         if full:
             key += (config.dtype, config.detail)
         groups.setdefault(key, []).append(row)
     head = ["kernel", "batch", "head size"] + (["dtype", "configuration"] if full else [])
     head += ["configs", "warps", "stages"] + [f"sm_{target}" for target in TARGETS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for key, members in groups.items():
+    for key, members in sorted(groups.items(), key=_table_order(list(groups))):
         everything = [result for row in members for result in row.results.values()]
         cells = [str(part) for part in key] + [str(len(members)), *_launch_shape(everything)]
         for target in TARGETS:

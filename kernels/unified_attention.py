@@ -6,6 +6,12 @@ tile is read once for the whole group. The program walks the sequence's keys in 
 ``keys`` tokens, finding each token's slot through the block table, and keeps an online
 softmax in fp32 (in base 2: scores are pre-multiplied by log2(e)).
 
+An 8-bit float cache (``float8_e4m3fn``, ``float8_e5m2``) is read in place: each K/V tile is
+loaded as 8-bit floats and widened in registers to the queries' dtype, which holds every 8-bit
+value exactly, so the dots multiply the values the reference widens to fp32 and accumulate in
+fp32, as with a 16-bit cache; the tiles are those of the queries' dtype, adjusted where the
+8-bit tiles beside their widened copies need more registers (``tile_shape``).
+
 When there are too few (sequence, KV head) programs to fill the GPU, each program's key range
 is split (flash-decoding): every split writes its running max, sum and unnormalised output to
 fp32 scratch and a second kernel merges the splits.
@@ -29,6 +35,12 @@ MAX_KV_SPLITS = 32
 # Where the compute capability is unknown (the interpreter) the tiles are chosen as for sm_90.
 DEFAULT_CAPABILITY = (9, 0)
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Triton has float8_e4m3fn (its fp8e4nv) from sm_89 on, float8_e5m2 on every target.
+FP8_E4M3_MIN_CAPABILITY = (8, 9)
+
+_TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
 
 @dataclass(frozen=True)
 class AttentionTiles:
@@ -48,13 +60,19 @@ class TileShape:
 
 
 def tile_shape(
-    head_dim_padded: int, element_size: int, decode: bool, capability: tuple[int, int]
+    head_dim_padded: int,
+    element_size: int,
+    decode: bool,
+    capability: tuple[int, int],
+    fp8_cache: bool = False,
 ) -> TileShape:
     """The largest tiles that keep a program's accumulator, Q tile and scores in registers
     and its pipelined K/V stages in shared memory, without spilling, on this target.
 
     Chosen from ``bench/kernels_aot.py``'s table (registers, spills and shared memory of every
     configuration compiled for sm_80, sm_86, sm_89 and sm_90); see docs/design/kernels.md.
+    ``element_size`` is that of the dots' operands: with an 8-bit cache (``fp8_cache``), the
+    queries' dtype, its K/V tiles widened to it in registers beside the 8-bit ones loaded.
     """
     head_bytes = head_dim_padded * element_size
     if element_size == 4:
@@ -64,17 +82,28 @@ def tile_shape(
         warps, stages = (4, 1) if head_dim_padded <= 64 else (4, 3)
         if head_dim_padded > 128:
             warps, stages = 8, 1
+        if fp8_cache:
+            # 8-bit tiles in flight beside their widened copies: three stages spill 200-370
+            # bytes at 128 dims on every target, one does not.
+            stages = 1
         return TileShape(MIN_DOT_SIZE, MIN_DOT_SIZE, num_warps=warps, num_stages=stages)
     if decode:
         # One query row per head of the group: K/V tiles of 8 KiB, so that a thread's share
         # of K, V and the scores stays in registers beside the fp32 accumulator; at 256 dims
-        # a third stage in flight costs registers.
+        # a third stage in flight costs registers. 8-bit tiles and their widened copies at
+        # 128 dims want 8 warps: 4 reach 128 registers and spill 8 bytes on sm_86-sm_90.
         stages = 3 if head_dim_padded <= 128 else 2
-        return TileShape(MIN_DOT_SIZE, _keys(8 * 1024, head_bytes), num_warps=4, num_stages=stages)
+        warps = 8 if fp8_cache and head_dim_padded > 64 else 4
+        keys = _keys(8 * 1024, head_bytes)
+        return TileShape(MIN_DOT_SIZE, keys, num_warps=warps, num_stages=stages)
     # Eight warps hold the 128 x 128 (or 64 x 256) fp32 accumulator. On sm_8x (mma, not
-    # sm_90's wgmma) 16 KiB K/V tiles beside it spill, 8 KiB ones do not.
+    # sm_90's wgmma) 16 KiB K/V tiles beside it spill, 8 KiB ones do not; with an 8-bit cache
+    # (the widened copies beside) 8 KiB ones reach 255 registers, 4 KiB ones stay near 230.
     rows = 128 if head_dim_padded <= 128 else 64
-    kv_tile_bytes = 16 * 1024 if capability >= (9, 0) else 8 * 1024
+    if capability >= (9, 0):
+        kv_tile_bytes = 16 * 1024
+    else:
+        kv_tile_bytes = 4 * 1024 if fp8_cache else 8 * 1024
     return TileShape(rows, _keys(kv_tile_bytes, head_bytes), num_warps=8, num_stages=3)
 
 
@@ -88,6 +117,7 @@ def choose_tiles(
     group: int,
     max_seqlen_q: int,
     capability: tuple[int, int] = DEFAULT_CAPABILITY,
+    fp8_cache: bool = False,
 ) -> AttentionTiles:
     """Tiles for a batch whose longest query run is ``max_seqlen_q``: the decode tile when every
     sequence brings one query, else the prefill tile (chunked prefill and mixed batches).
@@ -97,7 +127,7 @@ def choose_tiles(
     larger than a short chunk costs tensor-core work, not memory traffic.
     """
     shape = tile_shape(
-        triton.next_power_of_2(head_dim), element_size, max_seqlen_q == 1, capability
+        triton.next_power_of_2(head_dim), element_size, max_seqlen_q == 1, capability, fp8_cache
     )
     rows = max(shape.query_rows, triton.next_power_of_2(group))
     return AttentionTiles(
@@ -129,6 +159,16 @@ def choose_num_kv_splits(
     to_fill_twice = triton.cdiv(2 * multiprocessor_count, programs)
     worth_splitting = max_seqlen_k // MIN_KEYS_PER_SPLIT
     return max(1, min(to_fill_twice, worth_splitting, MAX_KV_SPLITS))
+
+
+@triton.jit
+def _widen(kv, DTYPE: tl.constexpr):
+    """A K or V tile in the dtype the dots take; an 8-bit float one exactly, through fp32 where
+    that is free: the compiler folds fp8 -> fp32 -> fp16 into one conversion, and Triton's
+    interpreter converts fp8e5 subnormals straight to fp16 wrongly (to fp32 it is exact)."""
+    if kv.dtype.is_fp8() and DTYPE == tl.float16:
+        return kv.to(tl.float32).to(DTYPE)
+    return kv.to(DTYPE)
 
 
 @triton.jit
@@ -169,7 +209,7 @@ def _paged_attention_kernel(
     partial_max_ptr,  # [num_tokens, num_heads, num_kv_splits] fp32
     partial_sum_ptr,  # [num_tokens, num_heads, num_kv_splits] fp32
     q_ptr,  # [num_tokens, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], 16/32-bit or 8-bit floats
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
@@ -199,7 +239,7 @@ def _paged_attention_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     SPLIT_KV: tl.constexpr,
-    UPCAST_TO_FP32: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,  # of the dots' operands: Q, K, V and the softmax weights
     DOT_PRECISION: tl.constexpr,
 ):
     tile_index = tl.program_id(0)
@@ -229,10 +269,7 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
-    if UPCAST_TO_FP32:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(k_cache_ptr.dtype.element_ty)
+    q = q.to(COMPUTE_DTYPE)
 
     # Keys any row of this tile can see: causal up to its last query, windowed from its first.
     last_query = tl.minimum(first_query + queries, q_len) - 1
@@ -275,9 +312,8 @@ def _paged_attention_kernel(
             mask=key_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
-        if UPCAST_TO_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = _widen(k, COMPUTE_DTYPE)
+        v = _widen(v, COMPUTE_DTYPE)
 
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         visible = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
@@ -291,7 +327,9 @@ def _paged_attention_kernel(
         probs = tl.exp2(scores - shift[:, None])
         rescale = tl.exp2(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * rescale[:, None] + tl.dot(
+            probs.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION
+        )
         row_max = new_max
 
     if SPLIT_KV:
@@ -374,7 +412,9 @@ def unified_attention(
 ) -> torch.Tensor:
     """:func:`pagedllm.kernels.reference.paged_attention`, its keys split ``num_kv_splits`` ways.
 
-    ``capability`` picks the tiles for that compute capability instead of the device's.
+    ``capability`` picks the tiles (and the 8-bit formats taken) for that compute capability
+    instead of the device's. A 16- or 32-bit cache is computed with in its dtype, an 8-bit
+    float one in the queries' dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -382,19 +422,41 @@ def unified_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if k_cache.dtype == torch.float32 and head_dim > FP32_MAX_HEAD_DIM and not is_interpreting():
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"K and V caches of one dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    fp8_cache = k_cache.dtype in FP8_DTYPES
+    compute_dtype = q.dtype if fp8_cache else k_cache.dtype
+    if compute_dtype not in _TRITON_DTYPES:
+        raise ValueError(
+            f"the Triton attention kernel computes in float16, bfloat16 or float32, not "
+            f"{compute_dtype} (queries {q.dtype}, KV cache {k_cache.dtype})"
+        )
+    if compute_dtype == torch.float32 and head_dim > FP32_MAX_HEAD_DIM and not is_interpreting():
         raise ValueError(
             f"the Triton attention kernel takes float32 KV caches up to head size "
-            f"{FP32_MAX_HEAD_DIM} (larger fp32 tiles spill registers); got {head_dim}: "
-            "use a float16 or bfloat16 cache"
+            f"{FP32_MAX_HEAD_DIM}, and 8-bit ones with float32 queries (larger fp32 tiles spill "
+            f"registers); got {head_dim}: use a float16 or bfloat16 cache or queries"
+        )
+    if capability is None:
+        capability = compute_capability(q.device) or DEFAULT_CAPABILITY
+    if (
+        k_cache.dtype == torch.float8_e4m3fn
+        and capability < FP8_E4M3_MIN_CAPABILITY
+        and not is_interpreting()
+    ):
+        raise ValueError(
+            "the Triton attention kernel reads float8_e4m3fn KV caches (kv-cache-dtype fp8, "
+            f"fp8_e4m3) on compute capability {FP8_E4M3_MIN_CAPABILITY[0]}."
+            f"{FP8_E4M3_MIN_CAPABILITY[1]} and above (Triton has no fp8e4nv below sm_89); this "
+            f"is sm_{capability[0]}{capability[1]}: use fp8_e5m2 or auto"
         )
     if q.stride(-1) != 1:
         q = q.contiguous()
 
     group = num_heads // num_kv_heads
-    if capability is None:
-        capability = compute_capability(q.device) or DEFAULT_CAPABILITY
-    tiles = choose_tiles(head_dim, k_cache.element_size(), group, max_seqlen_q, capability)
+    tiles = choose_tiles(
+        head_dim, compute_dtype.itemsize, group, max_seqlen_q, capability, fp8_cache
+    )
     head_dim_padded = triton.next_power_of_2(head_dim)
     split_kv = num_kv_splits > 1
     if split_kv:
@@ -406,8 +468,8 @@ def unified_attention(
     else:
         partial_out = partial_max = partial_sum = out
     # The interpreter keeps bf16 as raw 16-bit integers and its tl.dot would multiply those.
-    upcast = is_interpreting() and k_cache.dtype == torch.bfloat16
-    fp32_dot = upcast or k_cache.dtype == torch.float32
+    if is_interpreting() and compute_dtype == torch.bfloat16:
+        compute_dtype = torch.float32
 
     grid = (num_tokens // tiles.queries + num_seqs, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
@@ -446,8 +508,8 @@ def unified_attention(
         HEAD_DIM_PADDED=head_dim_padded,
         USE_WINDOW=sliding_window is not None,
         SPLIT_KV=split_kv,
-        UPCAST_TO_FP32=upcast,
-        DOT_PRECISION="ieee" if fp32_dot else None,
+        COMPUTE_DTYPE=_TRITON_DTYPES[compute_dtype],
+        DOT_PRECISION="ieee" if compute_dtype == torch.float32 else None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -1,8 +1,9 @@
 """Weight matmuls on the CPU through a packed layout, each weight packed once when the model
-is loaded (what inductor's CPU backend does with frozen weights): float32 weights in panels of
-16 output features for the C++ panel matmul where the CPU has AVX-512 and the kernels are
-built (``csrc/panel_linear_cpu.cpp``), else in MKL's packed sgemm layout; bfloat16 ones (and
-float32 where MKL is missing) in oneDNN's blocked layout. Used on x86 CPUs;
+is loaded (what inductor's CPU backend does with frozen weights): float32 and bfloat16 weights
+in panels of 16 output features for the C++ panel matmul where the CPU has AVX-512 and the
+kernels are built (``csrc/panel_linear_cpu.cpp``); else float32 ones in MKL's packed sgemm
+layout, and bfloat16 ones (and float32 where MKL is missing) in oneDNN's blocked layout. Used
+on x86 CPUs;
 ``PAGEDLLM_ONEDNN_LINEAR=0`` keeps ``F.linear``.
 
 On a 2-core AVX-512 machine, SmolLM2's 120 layer matmuls in float32 took (ms, one forward):

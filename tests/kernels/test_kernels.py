@@ -6,6 +6,12 @@ plain ``pytest tests/test_kernels.py`` works). bf16 differs between the two: on 
 kernel multiplies bf16 on the tensor cores; the interpreter keeps bf16 as raw 16-bit integers,
 so there the kernel upcasts K, V and Q to fp32 before its dots, and rounds bf16 results by
 truncation rather than to nearest even.
+
+8-bit float caches (``float8_e4m3fn``, ``float8_e5m2``) run in the interpreter too: it keeps
+them as bytes and widens them to fp32 exactly (NaN aside: it reads e4m3's NaN as 480 and e5m2's
+as a large finite value, which still shows as a mismatch), and the KV write encodes the bytes
+itself (see ``pagedllm.kernels.cache_ops``), so the interpreter checks the same bytes and
+values a GPU produces.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ TOLERANCES = {
     torch.bfloat16: (2e-2, 2e-2),
 }
 DTYPES = list(TOLERANCES)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (8, 16, 32, 64)
 # (num_heads, num_kv_heads): multi-head, grouped-query (power of two and not), multi-query.
@@ -75,6 +82,11 @@ class AttentionCase:
     q_lens: tuple[int, ...]
     kv_lens: tuple[int, ...]
     sliding_window: int | None = None
+    cache_dtype: torch.dtype | None = None  # None: the queries' dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.cache_dtype or self.dtype
 
 
 @dataclass
@@ -143,14 +155,28 @@ class PagedBatch:
     def run_reference(self, case: AttentionCase) -> torch.Tensor:
         return reference.paged_attention(
             self.q,
-            self.k_cache.nan_to_num(0.0),
-            self.v_cache.nan_to_num(0.0),
+            without_nan(self.k_cache),
+            without_nan(self.v_cache),
             self.block_tables,
             self.cu_seqlens_q,
             self.seq_lens_k,
             self.scale,
             sliding_window=case.sliding_window,
         )
+
+
+def bits(cache: torch.Tensor) -> torch.Tensor:
+    """An 8-bit float tensor's bytes (torch compares few ops on them); others as they are."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
+
+
+def without_nan(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` with its NaN zeroed (torch has no nan_to_num for 8-bit floats)."""
+    if cache.dtype not in FP8_DTYPES:
+        return cache.nan_to_num(0.0)
+    clean = cache.clone()
+    clean.view(torch.uint8)[cache.float().isnan()] = 0
+    return clean
 
 
 def build_batch(case: AttentionCase, rng: random.Random) -> PagedBatch:
@@ -175,13 +201,15 @@ def build_batch(case: AttentionCase, rng: random.Random) -> PagedBatch:
 
     generator = torch.Generator().manual_seed(rng.randrange(2**31))
     shape = (num_blocks, block_size, case.num_kv_heads, case.head_dim)
-    k_cache = torch.randn(shape, generator=generator).to(case.dtype)
-    v_cache = torch.randn(shape, generator=generator).to(case.dtype)
+    k_cache = torch.randn(shape, generator=generator)
+    v_cache = torch.randn(shape, generator=generator)
     for cache in (k_cache, v_cache):
         cache[poison] = float("nan")
         for table, kv_len in zip(tables, case.kv_lens, strict=True):
             if kv_len % block_size:
                 cache[table[kv_len // block_size], kv_len % block_size :] = float("nan")
+    k_cache = reference.to_cache(k_cache, case.kv_dtype)
+    v_cache = reference.to_cache(v_cache, case.kv_dtype)
 
     num_tokens = sum(case.q_lens)
     cu_seqlens_q = [0]
@@ -245,10 +273,15 @@ def randomized_cases(count: int) -> list[AttentionCase]:
     return cases
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def case_id(case: AttentionCase) -> str:
     window = f"-window{case.sliding_window}" if case.sliding_window else ""
+    cache = f"-cache_{dtype_name(case.cache_dtype)}" if case.cache_dtype else ""
     return (
-        f"{str(case.dtype).removeprefix('torch.')}-h{case.num_heads}kv{case.num_kv_heads}"
+        f"{dtype_name(case.dtype)}{cache}-h{case.num_heads}kv{case.num_kv_heads}"
         f"-d{case.head_dim}-bs{case.block_size}-q{'_'.join(map(str, case.q_lens))}"
         f"-k{'_'.join(map(str, case.kv_lens))}{window}"
     )
@@ -301,6 +334,65 @@ def test_sliding_window_matches_reference(case: AttentionCase, num_kv_splits: in
     batch = build_batch(case, random.Random(case.sliding_window))
     expected = batch.run_reference(case)
     assert_attention_close(batch.run_triton(case, num_kv_splits), expected, case.dtype)
+
+
+E4M3, E5M2 = FP8_DTYPES
+# 8-bit caches, read in place and widened to the queries' dtype: decodes, prefill chunks after
+# a cached context and fresh prefills in one batch (the random prefix sharing of build_batch
+# included), with every query dtype, a sliding window, and a head size that pads.
+FP8_CASES = [
+    AttentionCase(8, 2, 64, 16, torch.float16, (1, 17, 3, 1), (150, 40, 3, 64), None, E4M3),
+    AttentionCase(8, 2, 64, 16, torch.float16, (1, 17, 3, 1), (150, 40, 3, 64), None, E5M2),
+    AttentionCase(4, 1, 128, 32, torch.bfloat16, (24, 1, 9), (24, 70, 33), None, E4M3),
+    AttentionCase(6, 2, 80, 8, torch.bfloat16, (1, 12, 1), (41, 30, 8), 9, E5M2),
+    AttentionCase(4, 4, 64, 16, torch.float32, (1, 30, 1), (90, 70, 16), 16, E4M3),
+]
+# Flash-decoding over 8-bit caches: several splits, some empty.
+FP8_DECODE_CASES = [
+    AttentionCase(8, 2, 128, 16, torch.float16, (1, 1, 1), (300, 129, 64), None, E5M2),
+    AttentionCase(4, 1, 64, 8, torch.bfloat16, (1, 1), (200, 1), 40, E4M3),
+    AttentionCase(4, 4, 96, 32, torch.float32, (1, 1, 1), (96, 97, 5), None, E5M2),
+]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=case_id)
+def test_paged_attention_over_fp8_caches_matches_reference(case: AttentionCase):
+    batch = build_batch(case, random.Random(case_id(case)))
+    assert batch.k_cache.dtype == case.cache_dtype
+    assert_attention_close(batch.run_triton(case), batch.run_reference(case), case.dtype)
+
+
+@pytest.mark.parametrize(
+    "capability, cache_dtype", [((8, 0), E5M2), ((8, 9), E4M3)], ids=("sm_80", "sm_89")
+)
+def test_fp8_tiles_of_other_targets_match_reference(
+    capability: tuple[int, int], cache_dtype: torch.dtype
+):
+    """sm_8x's tiles for 8-bit caches (fewer keys per prefill tile than sm_90's, which the
+    interpreter picks by default), with the format each target takes."""
+    case = AttentionCase(8, 2, 128, 16, torch.float16, (1, 40, 3), (150, 40, 60), None, cache_dtype)
+    batch = build_batch(case, random.Random(case_id(case)))
+    out = unified_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.cu_seqlens_q,
+        batch.seq_lens_k,
+        batch.scale,
+        None,
+        max(case.q_lens),
+        1,
+        capability,
+    )
+    assert_attention_close(out, batch.run_reference(case), case.dtype)
+
+
+@pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=case_id)
+def test_split_kv_over_fp8_caches_matches_reference(case: AttentionCase):
+    batch = build_batch(case, random.Random(case_id(case)))
+    expected = batch.run_reference(case)
+    assert_attention_close(batch.run_triton(case, num_kv_splits=5), expected, case.dtype)
 
 
 # The C++ decode kernel tiles a KV head's query heads four at a time: groups of 2, 5 and 8
@@ -369,14 +461,18 @@ def test_split_kv_is_chosen_only_for_decode_batches_that_leave_multiprocessors_i
 
 
 @pytest.mark.parametrize(
-    "key_dtype, cache_dtype", [(d, d) for d in DTYPES] + [(torch.float32, torch.float16)]
+    "key_dtype, cache_dtype",
+    [(d, d) for d in DTYPES]
+    + [(torch.float32, torch.float16)]
+    + [(d, fp8) for d, fp8 in zip(DTYPES, (*FP8_DTYPES, *FP8_DTYPES), strict=False)],
+    ids=lambda dtype: dtype_name(dtype),
 )
 def test_write_kv_matches_reference(key_dtype: torch.dtype, cache_dtype: torch.dtype):
     num_tokens, num_heads, num_kv_heads, head_dim, block_size, num_blocks = 13, 6, 3, 80, 16, 5
     generator = torch.Generator().manual_seed(0)
     # K and V come out of a fused QKV projection: views with a token stride wider than a row.
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=generator)
-    qkv = qkv.to(key_dtype).to(DEVICE)
+    qkv = (qkv * 4).to(key_dtype).to(DEVICE)
     key = qkv[:, num_heads : num_heads + num_kv_heads]
     value = qkv[:, num_heads + num_kv_heads :]
     slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
@@ -391,10 +487,62 @@ def test_write_kv_matches_reference(key_dtype: torch.dtype, cache_dtype: torch.d
     reference.write_kv(key, value, expected_k, expected_v, slots.to(DEVICE))
     cpu_ops.write_kv(key.cpu(), value.cpu(), cpu_k, cpu_v, slots)
 
-    assert torch.equal(k_cache, expected_k)
-    assert torch.equal(v_cache, expected_v)
-    assert torch.equal(cpu_k, expected_k.cpu())
-    assert torch.equal(cpu_v, expected_v.cpu())
+    assert torch.equal(bits(k_cache), bits(expected_k))
+    assert torch.equal(bits(v_cache), bits(expected_v))
+    assert torch.equal(bits(cpu_k), bits(expected_k.cpu()))
+    assert torch.equal(bits(cpu_v), bits(expected_v.cpu()))
+
+
+def every_value(dtype: torch.dtype) -> torch.Tensor:
+    """Keys that a write into an 8-bit cache must round and saturate like the reference: every
+    16-bit float (infinities, NaN and subnormals included), or for fp32 the midpoints between
+    neighbouring values of both 8-bit formats and their fp32 neighbours (ties to even, carries
+    into the exponent, subnormals), far-out and tiny values, and random ones of every scale."""
+    if dtype.itemsize == 2:
+        return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = []
+    for fp8 in FP8_DTYPES:
+        grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+        grid = grid[torch.isfinite(grid)].unique()
+        midpoints = (grid[1:] + grid[:-1]) / 2
+        for toward in (float("inf"), float("-inf")):
+            values.append(midpoints.nextafter(torch.full_like(midpoints, toward)))
+        values += [midpoints, grid]
+    generator = torch.Generator().manual_seed(3)
+    scales = torch.exp2(torch.randint(-30, 20, (2**14,), generator=generator).float())
+    values.append(torch.randn(2**14, generator=generator) * scales)
+    special = [0.0, -0.0, 1e30, -1e30, 1e-30, -1e-30, 3e38, float("inf"), float("-inf")]
+    values.append(torch.tensor([*special, float("nan"), 1e-45, -1e-45]))
+    return torch.cat(values)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("key_dtype", DTYPES, ids=dtype_name)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN, infinities
+def test_write_kv_rounds_and_saturates_into_fp8_like_the_reference(
+    key_dtype: torch.dtype, cache_dtype: torch.dtype
+):
+    num_kv_heads, head_dim, block_size = 16, 256, 16
+    values = every_value(key_dtype)
+    rows = math.ceil(values.numel() / (num_kv_heads * head_dim))
+    key = torch.zeros(rows * num_kv_heads * head_dim, dtype=key_dtype)
+    key[: values.numel()] = values
+    key = key.view(rows, num_kv_heads, head_dim).to(DEVICE)
+    # The largest values (and infinities) saturate; a slot of -1 is skipped.
+    assert bool((key.float().abs() > torch.finfo(cache_dtype).max).any())
+    slots = torch.randperm(2 * rows, generator=torch.Generator().manual_seed(0))[:rows]
+    slots[1] = -1
+    shape = (math.ceil(2 * rows / block_size), block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, 1.0, dtype=cache_dtype, device=DEVICE)
+    v_cache, expected_k, expected_v = k_cache.clone(), k_cache.clone(), k_cache.clone()
+
+    triton_ops.write_kv(key, -key, k_cache, v_cache, slots.to(DEVICE))
+    reference.write_kv(key, -key, expected_k, expected_v, slots.to(DEVICE))
+
+    for actual, expected in ((k_cache, expected_k), (v_cache, expected_v)):
+        nan = expected.float().isnan()
+        assert torch.equal(actual.float().isnan(), nan)
+        assert torch.equal(bits(actual)[~nan], bits(expected)[~nan])
 
 
 def make_layers(
@@ -408,7 +556,7 @@ def make_layers(
     return [(stacked[layer, :, 0], stacked[layer, :, 1]) for layer in range(num_layers)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + list(FP8_DTYPES), ids=dtype_name)
 def test_copy_blocks_copies_every_layer_like_the_reference(dtype: torch.dtype):
     layers = make_layers(3, dtype)
     expected = [(k.clone(), v.clone()) for k, v in layers]
@@ -419,8 +567,64 @@ def test_copy_blocks_copies_every_layer_like_the_reference(dtype: torch.dtype):
     reference.copy_blocks(expected, pairs)
 
     for (k, v), (expected_k, expected_v) in zip(layers, expected, strict=True):
-        assert torch.equal(k, expected_k)
-        assert torch.equal(v, expected_v)
+        assert torch.equal(bits(k), bits(expected_k))
+        assert torch.equal(bits(v), bits(expected_v))
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=dtype_name)
+def test_fp8_cache_written_forked_and_read_like_the_reference(cache_dtype: torch.dtype):
+    """A prompt written into an 8-bit cache (some values saturating), a fork sharing its full
+    blocks and copying its partial last block on write, then a token of each's own: Triton's
+    write and copy leave the reference's bytes, and its attention over the shared and copied
+    blocks (the parent's whole prompt as a prefill, the fork's token as a decode) reads them
+    as the reference does."""
+    num_heads, num_kv_heads, head_dim, block_size, prompt = 4, 2, 64, 16, 37
+    generator = torch.Generator().manual_seed(5)
+    shape = (6, block_size, num_kv_heads, head_dim)
+    layers = {
+        backend: [tuple(torch.zeros(shape, dtype=cache_dtype, device=DEVICE) for _ in "kv")]
+        for backend in (triton_ops, reference)
+    }
+    tables = torch.tensor([[4, 1, 3], [4, 1, 0]], dtype=torch.int32, device=DEVICE)
+
+    def write(key: torch.Tensor, value: torch.Tensor, table: torch.Tensor, positions: list[int]):
+        slots = torch.tensor(
+            [int(table[pos // block_size]) * block_size + pos % block_size for pos in positions],
+            device=DEVICE,
+        )
+        for backend, [(k_cache, v_cache)] in layers.items():
+            backend.write_kv(key.to(DEVICE), value.to(DEVICE), k_cache, v_cache, slots)
+
+    def random_kv(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Keys past e4m3's 448 saturate; the queries are as much smaller.
+        kv = torch.randn(2, tokens, num_kv_heads, head_dim, generator=generator)
+        return (kv[0] * 150).half(), kv[1].half()
+
+    write(*random_kv(prompt), tables[0], list(range(prompt)))
+    pairs = torch.tensor([[3, 0]], device=DEVICE)  # blocks 4 and 1 stay shared
+    for backend, backend_layers in layers.items():
+        backend.copy_blocks(backend_layers, pairs)
+    for seq in range(2):
+        write(*random_kv(1), tables[seq], [prompt])
+    [(k_cache, v_cache)] = layers[triton_ops]
+    [(expected_k, expected_v)] = layers[reference]
+    assert torch.equal(bits(k_cache), bits(expected_k))
+    assert torch.equal(bits(v_cache), bits(expected_v))
+    assert k_cache.float().abs().max() == torch.finfo(cache_dtype).max or cache_dtype == E5M2
+    assert not torch.equal(bits(k_cache[0]), bits(k_cache[3]))  # the copies diverged
+
+    q_lens = [prompt + 1, 1]
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=generator) / 150
+    q = q.half().to(DEVICE)
+    layout = {
+        "block_tables": tables,
+        "cu_seqlens_q": torch.tensor([0, prompt + 1, prompt + 2], dtype=torch.int32).to(DEVICE),
+        "seq_lens_k": torch.tensor([prompt + 1] * 2, dtype=torch.int32, device=DEVICE),
+        "scale": head_dim**-0.5,
+    }
+    out = triton_ops.paged_attention(q, k_cache, v_cache, **layout)
+    expected = reference.paged_attention(q, expected_k, expected_v, **layout)
+    assert_attention_close(out, expected, torch.float16)
 
 
 def test_copy_blocks_without_pairs_changes_nothing():
