@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from pagedllm.kernels import cpu_extension, layer_ops
 from pagedllm.kernels import quant_linear as quant_reference
 from pagedllm.kernels.reference import copy_blocks as copy_blocks
-from pagedllm.kernels.reference import to_cache
+from pagedllm.kernels.reference import from_cache, to_cache
 
-# The 8-bit floats a cache may hold besides the activations' dtype; read in place by the C++
-# decode kernel, widened per chunk for torch's prefill attention.
-EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The 8-bit caches besides the activations' dtype (8-bit floats, int8 rows with their scales):
+# read in place by the C++ decode kernel, widened per chunk for torch's prefill attention.
+EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 
 # Steps of at most this many tokens of a sequence run as decode rows: a row per query reads
 # the sequence's keys in place, which for a few queries beats gathering a copy per sequence
@@ -55,7 +55,7 @@ def write_kv(
         key, value, slots = key[keep], value[keep], slots[keep]
     for x, cache in ((key, k_cache), (value, v_cache)):
         rows = to_cache(x, cache.dtype)
-        if cache.dtype in EIGHT_BIT:  # index_copy_ has no 8-bit float kernel: copy the bytes
+        if cache.dtype in EIGHT_BIT[:2]:  # index_copy_ has no 8-bit float kernel: copy bytes
             rows, cache = rows.view(torch.uint8), cache.view(torch.uint8)
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
 
@@ -123,8 +123,8 @@ def _gather(
     """``[B, Hkv, num_tokens, D]`` (a strided view of a copy, in ``dtype``) of each sequence's
     first tokens."""
     num_blocks = (num_tokens + cache.shape[1] - 1) // cache.shape[1]
-    blocks = cache[block_tables[:, :num_blocks].long()].to(dtype)
-    flat = blocks.reshape(blocks.shape[0], -1, *cache.shape[2:])
+    blocks = from_cache(cache[block_tables[:, :num_blocks].long()], dtype)
+    flat = blocks.reshape(blocks.shape[0], -1, *blocks.shape[3:])
     return flat[:, :num_tokens].transpose(1, 2)
 
 

@@ -7,7 +7,8 @@ the CPU. Layout shared by all of them:
   num_kv_heads, head_dim]``; a token's slot is ``block_id * block_size + offset``;
 - queries of a mixed batch are laid out varlen: sequence ``i`` owns rows
   ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of ``q`` (``[num_tokens, num_heads, head_dim]``);
-- a cache holds the activations' dtype, or 8-bit floats (``to_cache``) read at their value;
+- a cache holds the activations' dtype, 8-bit floats, or int8 rows with a float16 scale each
+  (``to_cache``; ``from_cache`` is what attention reads);
 - ``seq_lens_k[i]`` counts all of sequence ``i``'s tokens whose KV is in the cache, the new
   ones included, so its queries sit at positions ``seq_lens_k[i] - q_len .. seq_lens_k[i] - 1``.
 """
@@ -23,15 +24,47 @@ from pagedllm.kernels.layer_ops import rotary_embedding as rotary_embedding
 from pagedllm.kernels.layer_ops import silu_and_mul as silu_and_mul
 from pagedllm.kernels.quant_linear import quant_linear as quant_linear
 
+# int8_per_token_head: each (token, KV head) row of the cache holds head_dim int8 values and,
+# in its last SCALE_BYTES bytes, their float16 scale: x = scale * q, q in [-127, 127].
+INT8_ROWS = torch.int8
+SCALE_BYTES = 2
+
+
+def cache_row_size(head_dim: int, dtype: torch.dtype) -> int:
+    """The last dimension of a cache of ``dtype`` for heads of ``head_dim``."""
+    return head_dim + SCALE_BYTES if dtype == INT8_ROWS else head_dim
+
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as a cache of ``dtype`` holds it: an 8-bit float cache (``float8_e4m3fn``,
-    ``float8_e5m2``) saturates at its largest finite value, then rounds to nearest even; other
-    dtypes are a plain cast. The scale is 1, as vLLM's without calibrated scales."""
+    """``x`` (``[..., head_dim]``) as a cache of ``dtype`` holds it.
+
+    - 8-bit floats (``float8_e4m3fn``, ``float8_e5m2``): saturated at the format's largest
+      finite value, then rounded to nearest even; the scale is 1, as vLLM's without
+      calibrated scales.
+    - ``int8`` (``int8_per_token_head``): symmetric per row, the scale the row's largest
+      magnitude over 127 rounded to float16, each value divided by that float16 scale in
+      float32 and rounded to nearest even; a row of zeros has scale 0 and values 0.
+    - anything else: a plain cast.
+    """
     if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         limit = torch.finfo(dtype).max
         return x.float().clamp(-limit, limit).to(dtype)
+    if dtype == INT8_ROWS:
+        xf = x.float()
+        scale = (xf.abs().amax(-1, keepdim=True) / 127).to(torch.float16)
+        divisor = scale.float()
+        q = torch.where(divisor > 0, xf / divisor.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+        values = q.round().clamp(-127, 127).to(torch.int8)
+        return torch.cat([values, scale.view(torch.int8)], dim=-1)
     return x.to(dtype)
+
+
+def from_cache(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows (``[..., cache_row_size]``) as values of ``dtype``: what attention reads."""
+    if rows.dtype == INT8_ROWS:
+        scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float16).float()
+        return (rows[..., :-SCALE_BYTES].float() * scale).to(dtype)
+    return rows.to(dtype)
 
 
 def write_kv(
@@ -81,7 +114,8 @@ def _attend(
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     qf = q.float().view(batch, len_q, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) * scale
+    k, v = from_cache(k, torch.float32), from_cache(v, torch.float32)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qf, k) * scale
     k_pos = torch.arange(k.shape[1], device=q.device)
     allowed = (k_pos[None, None, :] <= q_positions[:, :, None]) & (
         k_pos[None, None, :] < k_len[:, None, None]
@@ -90,7 +124,7 @@ def _attend(
         allowed &= k_pos[None, None, :] > q_positions[:, :, None] - sliding_window
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float())
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
     return out.reshape(batch, len_q, num_heads, head_dim).to(q.dtype)
 
 

@@ -16,9 +16,10 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 # How weights are held (pagedllm.models.quantized): None keeps a GGUF file's quantized tensors
 # quantized, and every other weight in the dtype.
 QUANTIZATION_CHOICES = ("gguf", "int8", "none")
-# The KV cache's element (vLLM's names): "auto" keeps the model's dtype; the 8-bit floats hold
-# about twice a bfloat16 cache's tokens in the same memory. "fp8" is "fp8_e4m3".
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The KV cache's element (vLLM's names): "auto" keeps the model's dtype; the 8-bit ones hold
+# about twice a bfloat16 cache's tokens in the same memory. "fp8" is "fp8_e4m3";
+# "int8_per_token_head" keeps int8 values with a scale per token and KV head (CPU backend).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head")
 
 
 @dataclass
@@ -40,8 +41,9 @@ class EngineConfig:
     ``max_cpu_loras`` (default ``max_loras``) kept loaded.
     ``enforce_eager`` runs every step through the eager modules, never the decode graph
     (``pagedllm.models.decode_graph``). ``kv_cache_dtype`` (vLLM's ``--kv-cache-dtype``) keeps
-    the KV cache in the model's dtype (``auto``) or in 8-bit floats (``fp8`` = ``fp8_e4m3``,
-    ``fp8_e5m2``), written rounded to nearest and saturated, read as they are.
+    the KV cache in the model's dtype (``auto``), in 8-bit floats (``fp8`` = ``fp8_e4m3``,
+    ``fp8_e5m2``), written rounded to nearest and saturated, or in int8 with a float16 scale
+    per token and KV head (``int8_per_token_head``, the CPU backend's).
     """
 
     model: str | None = None

@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "vec.h"
 
@@ -215,19 +217,44 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
                   k_cache.sizes() == v_cache.sizes(),
               "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(key.sizes() == value.sizes() && key.size(1) == k_cache.size(2) &&
-                  key.size(2) == k_cache.size(3),
-              "key and value must be [num_tokens, num_kv_heads, head_dim] of the caches");
+                  key.size(2) + (k_cache.scalar_type() == at::kChar ? kScaleBytes : 0) ==
+                      k_cache.size(3),
+              "key and value must be [num_tokens, num_kv_heads, head_dim] of the caches (int8 "
+              "rows: head_dim + 2 scale bytes)");
   const auto cache_type = k_cache.scalar_type();
-  const bool eight_bit = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  const bool int8_rows = cache_type == at::kChar;
+  const bool eight_bit =
+      cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2 || int8_rows;
   TORCH_CHECK(cache_type == v_cache.scalar_type() && key.scalar_type() == value.scalar_type() &&
                   (key.scalar_type() == cache_type || eight_bit),
-              "key and value must be in the caches' dtype, or the caches 8-bit floats");
+              "key and value must be in the caches' dtype, or the caches 8-bit");
   TORCH_CHECK(key.stride(1) == key.size(2) && value.stride(1) == value.size(2),
               "each token's heads must be contiguous");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == key.size(0),
               "slots must be int64 [num_tokens]");
   const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  if (int8_rows) {
+    const int64_t heads = key.size(1), dim = key.size(2), row = k_cache.size(3);
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    DISPATCH_MODEL_TYPES(key.scalar_type(), "write_kv_int8", [&] {
+      std::vector<float> widened(dim);
+      for (const auto& [x, cache] : {std::pair{&key, &k_cache}, std::pair{&value, &v_cache}}) {
+        const scalar_t* src = x->data_ptr<scalar_t>();
+        auto* dst = static_cast<int8_t*>(cache->data_ptr());
+        for (int64_t t = 0; t < x->size(0); ++t) {
+          if (slot[t] < 0) continue;
+          TORCH_CHECK(slot[t] < capacity, "slot ", slot[t], " is outside the cache");
+          for (int64_t h = 0; h < heads; ++h) {
+            const scalar_t* in = src + t * x->stride(0) + h * dim;
+            for (int64_t i = 0; i < dim; ++i) widened[i] = float(in[i]);
+            quantize_row(widened.data(), dim, dst + (slot[t] * heads + h) * row);
+          }
+        }
+      }
+    });
+    return;
+  }
   if (eight_bit && key.scalar_type() != cache_type) {
     const int64_t row = key.size(1) * key.size(2);
     const int64_t* slot = slots.data_ptr<int64_t>();

@@ -101,13 +101,14 @@ struct Job {
   // prefetched while this one is read.
   template <typename T, typename F>
   void for_each_key(const T* cache, int64_t dim, F&& f) const {
+    constexpr int64_t scale_bytes = std::is_same_v<T, int8_t> ? kScaleBytes : 0;
     const int64_t last = (len - 1) / block_size;
     for (int64_t b = first / block_size; b * block_size < len; ++b) {
       const T* base = cache + int64_t(table[b]) * block_stride;
       if (b < last) {
         const char* next = reinterpret_cast<const char*>(cache + int64_t(table[b + 1]) * block_stride);
         for (int64_t r = 0; r < block_size; ++r)
-          for (int64_t byte = 0; byte < dim * int64_t(sizeof(T)); byte += 64)
+          for (int64_t byte = 0; byte < dim * int64_t(sizeof(T)) + scale_bytes; byte += 64)
             __builtin_prefetch(next + r * token_stride * int64_t(sizeof(T)) + byte);
       }
       const int64_t start = std::max(first, b * block_size);
@@ -133,13 +134,18 @@ void attend_tile(const float* query, const T* k, const T* v, const Job& job, flo
       const vfloat kv = load(key + i * kWidth);
       for (int g = 0; g < G; ++g) acc[g] += q[g][i] * kv;
     }
+    if constexpr (std::is_same_v<T, int8_t>) {
+      const float scale = row_scale(key, V * kWidth);
+      for (int g = 0; g < G; ++g) acc[g] *= scale;
+    }
     store_sums<G>(acc, scores + j, stride);
   });
   softmax_rows(scores, G, n, stride);
   vfloat o[G][V] = {};
   job.for_each_key(v, V * kWidth, [&](int64_t j, const T* value) {
     float p[G];
-    for (int g = 0; g < G; ++g) p[g] = scores[g * stride + j];
+    const float scale = row_scale(value, V * kWidth);
+    for (int g = 0; g < G; ++g) p[g] = scores[g * stride + j] * scale;
     for (int i = 0; i < V; ++i) {
       const vfloat vv = load(value + i * kWidth);
       for (int g = 0; g < G; ++g) o[g][i] += p[g] * vv;
@@ -183,14 +189,14 @@ void attend_group_plain(const float* query, const T* k, const T* v, const Job& j
       const float* qh = query + g * dim;
       float dot = 0.f;
       for (int64_t d = 0; d < dim; ++d) dot += qh[d] * float(key[d]);
-      scores[g * stride + j] = dot;
+      scores[g * stride + j] = dot * row_scale(key, dim);
     }
   });
   softmax_rows(scores, group, n, stride);
   std::fill(out, out + group * dim, 0.f);
   job.for_each_key(v, dim, [&](int64_t j, const T* value) {
     for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * stride + j];
+      const float p = scores[g * stride + j] * row_scale(value, dim);
       for (int64_t d = 0; d < dim; ++d) out[g * dim + d] += p * float(value[d]);
     }
   });
@@ -203,6 +209,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       float scale, int64_t window) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t row = k_cache.size(3);  // head_dim, or head_dim + its scale for int8 rows
   const int64_t group = num_heads / num_kv_heads;
   const T* q_ptr = q.data_ptr<T>();
   const C* k_ptr = static_cast<const C*>(k_cache.data_ptr());
@@ -220,7 +227,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   T* out_ptr = out.data_ptr<T>();
   const int64_t table_stride = block_tables.stride(0);
   const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
-  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t token_stride = num_kv_heads * row;
   const int64_t block_stride = block_size * token_stride;
 
   // A work item is one KV head of one sequence with its group of query heads. A task takes
@@ -244,8 +251,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = float(src[d]) * scale;
       }
       scores.resize(group * padded(job.keys()));
-      const C* k = k_ptr + kv_head * head_dim;
-      const C* v = v_ptr + kv_head * head_dim;
+      const C* k = k_ptr + kv_head * row;
+      const C* v = v_ptr + kv_head * row;
       if constexpr (!std::is_same_v<C, double>) {
         if (head_dim == 4 * kWidth) {
           attend_group<C, 4>(query.data(), k, v, job, group, scores.data(), acc.data());
@@ -275,12 +282,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                   k_cache.sizes() == v_cache.sizes(),
               "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
   const auto cache_type = k_cache.scalar_type();
-  const bool eight_bit = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  const bool int8_rows = cache_type == at::kChar;
+  const bool eight_bit =
+      cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2 || int8_rows;
   TORCH_CHECK(cache_type == v_cache.scalar_type() && (q.scalar_type() == cache_type || eight_bit),
-              "the caches must share a dtype: q's, or an 8-bit float (float8_e4m3fn, "
-              "float8_e5m2)");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
-              "head_dim must match and num_heads be a multiple of num_kv_heads");
+              "the caches must share a dtype: q's, an 8-bit float (float8_e4m3fn, "
+              "float8_e5m2) or int8 rows with their scales");
+  TORCH_CHECK(q.size(2) + (int8_rows ? kScaleBytes : 0) == k_cache.size(3) &&
+                  q.size(1) % k_cache.size(2) == 0,
+              "head_dim must match (int8 rows: head_dim + 2 scale bytes) and num_heads be a "
+              "multiple of num_kv_heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
                   block_tables.stride(1) == 1 && block_tables.size(0) == q.size(0),
               "block_tables must be int32 [num_seqs, max_blocks]");
@@ -296,7 +307,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     });
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-      if (cache_type == at::kFloat8_e4m3fn) {
+      if (int8_rows) {
+        decode_attention<scalar_t, int8_t>(q, k_cache, v_cache, block_tables, seq_lens, out, s,
+                                           window);
+      } else if (cache_type == at::kFloat8_e4m3fn) {
         decode_attention<scalar_t, c10::Float8_e4m3fn>(q, k_cache, v_cache, block_tables,
                                                        seq_lens, out, s, window);
       } else {

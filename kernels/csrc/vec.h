@@ -5,6 +5,8 @@
 #include "aten.h"
 
 #include <cstdint>
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -69,6 +71,43 @@ inline vfloat load_fp8(const void* p) {
 
 inline vfloat load(const c10::Float8_e4m3fn* p) { return load_fp8<3, 7>(p); }
 inline vfloat load(const c10::Float8_e5m2* p) { return load_fp8<2, 15>(p); }
+
+// int8_per_token_head: a row of the cache is head_dim int8 values, then their float16 scale.
+typedef int8_t vchar __attribute__((vector_size(kWidth)));
+constexpr int64_t kScaleBytes = 2;
+
+inline vfloat load(const int8_t* p) {
+  vchar bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  return __builtin_convertvector(bytes, vfloat);
+}
+
+// The factor a cache row of dim values scales by: its float16 scale for int8 rows, else 1.
+template <typename C>
+inline float row_scale(const C* row, int64_t dim) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    c10::Half scale;
+    std::memcpy(&scale, row + dim, sizeof scale);
+    return float(scale);
+  } else {
+    return 1.0f;
+  }
+}
+
+// A row of dim floats as an int8 cache row holds it (kernels/reference.py's to_cache): the
+// largest magnitude over 127 rounded to float16 is the scale, each value divided by it in
+// float32 and rounded to nearest even.
+inline void quantize_row(const float* x, int64_t dim, int8_t* out) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const c10::Half scale(amax / 127.0f);
+  const float s = float(scale);
+  for (int64_t i = 0; i < dim; ++i) {
+    const float q = s > 0.f ? std::nearbyint(x[i] / s) : 0.f;
+    out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+  }
+  std::memcpy(out + dim, &scale, sizeof scale);
+}
 
 // A float as an 8-bit cache holds it: saturated at the format's largest finite value, then
 // rounded to nearest even (c10's conversion, which torch's casts use).

@@ -238,8 +238,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default="auto",
-        help="the KV cache's element: auto (the model's dtype), or 8-bit floats (fp8 = "
-        "fp8_e4m3, fp8_e5m2) holding twice a bfloat16 cache's tokens in the same memory",
+        help="the KV cache's element: auto (the model's dtype), 8-bit floats (fp8 = fp8_e4m3, "
+        "fp8_e5m2) or int8 with a scale per token and head (int8_per_token_head, CPU), each "
+        "holding about twice a bfloat16 cache's tokens in the same memory",
     )
     p.add_argument(
         "--gpu-memory-utilization",

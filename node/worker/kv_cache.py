@@ -6,17 +6,21 @@ import os
 
 import torch
 
-# The 8-bit cache elements by their vLLM names ("auto" is the model's dtype).
-FP8_DTYPES = {
+from pagedllm.kernels import reference
+
+# The 8-bit cache elements by their vLLM names ("auto" is the model's dtype); int8 rows carry
+# their scales (kernels/reference.py).
+EIGHT_BIT_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "int8_per_token_head": reference.INT8_ROWS,
 }
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element the cache holds for ``--kv-cache-dtype`` (validated by EngineConfig)."""
-    return FP8_DTYPES.get(kv_cache_dtype, model_dtype)
+    return EIGHT_BIT_DTYPES.get(kv_cache_dtype, model_dtype)
 
 
 # Share of the available memory the CPU cache takes by default, and its ceiling.
@@ -29,7 +33,8 @@ def block_bytes(
 ) -> int:
     """Bytes one block takes across all layers, K and V."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+    row = reference.cache_row_size(head_dim, dtype)
+    return 2 * num_layers * block_size * num_kv_heads * row * element
 
 
 def available_cpu_memory() -> int:
@@ -68,7 +73,7 @@ def allocate(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_blocks, block_size, num_kv_heads, reference.cache_row_size(head_dim, dtype))
     return [
         (
             torch.zeros(shape, dtype=dtype, device=device),

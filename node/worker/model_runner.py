@@ -65,6 +65,13 @@ class ModelRunner:
         )
         self.dtype = next(self.model.parameters()).dtype
         self.cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
+        if self.cache_dtype == torch.int8 and (
+            self.device.type != "cpu" or config.kernel_backend == "triton"
+        ):
+            raise ValueError(
+                "kv_cache_dtype int8_per_token_head is read by the CPU kernels only; on CUDA "
+                "use fp8 (fp8_e4m3) or fp8_e5m2"
+            )
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:

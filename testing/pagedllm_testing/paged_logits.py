@@ -112,7 +112,7 @@ class PagedRun:
             self.num_blocks,
             self.block_size,
             config.num_kv_heads_per_rank(self.model.tp_size),
-            config.head_dim,
+            reference.cache_row_size(config.head_dim, self.cache_dtype),
         )
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.cache_dtype), torch.zeros(shape, dtype=self.cache_dtype))

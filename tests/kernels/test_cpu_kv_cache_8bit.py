@@ -1,7 +1,8 @@
-"""The CPU backend over 8-bit float KV caches (``--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2``): the
-write rounds and saturates as :func:`pagedllm.kernels.reference.to_cache`, byte for byte; the
-C++ decode kernel reads the bytes in place and attends as the reference does over the same
-values; prompt chunks widen their sequence's blocks for torch's attention."""
+"""The CPU backend over 8-bit KV caches (``--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2`` and
+``int8_per_token_head``): the write rounds (and saturates, or scales) as
+:func:`pagedllm.kernels.reference.to_cache`, byte for byte; the C++ decode kernel reads the
+bytes in place and attends as the reference does over the same values; prompt chunks widen
+their sequence's blocks for torch's attention."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from pagedllm.kernels import cpu_extension, cpu_ops, reference
 
 pytestmark = pytest.mark.skipif(not cpu_extension.load(), reason="the C++ CPU kernels")
 
-EIGHT_BIT = [torch.float8_e4m3fn, torch.float8_e5m2]
+EIGHT_BIT = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
 NUM_BLOCKS, BLOCK, KV_HEADS = 24, 16, 2
 
 
 def caches(dtype: torch.dtype, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, head_dim)
+    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, reference.cache_row_size(head_dim, dtype))
     return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
 
 
@@ -30,6 +31,7 @@ def test_the_write_rounds_and_saturates_like_the_reference(dtype, cache_dtype):
     value = torch.randn(tokens, KV_HEADS, 64).to(dtype)
     # Beyond both formats' range, either sign; subnormals of both; exact zeros.
     key[0, 0, :6] = torch.tensor([6e4, -6e4, 1e-3, -2e-5, 0.0, 500.0]).to(dtype)
+    key[1] = 0.0
     slots = torch.randperm(NUM_BLOCKS * BLOCK)[:tokens]
     slots[3] = -1  # not written
     ours, theirs = caches(cache_dtype, 64), caches(cache_dtype, 64)
@@ -37,20 +39,31 @@ def test_the_write_rounds_and_saturates_like_the_reference(dtype, cache_dtype):
     reference.write_kv(key, value, *theirs, slots)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    limit = torch.finfo(cache_dtype).max
-    written = ours[0].view(-1, KV_HEADS, 64)[slots[0], 0, :2].float()
-    assert written.tolist() == [limit, -limit]  # saturated, never inf or NaN
-    assert bool(torch.isfinite(ours[0].float()).all())
+    rows = ours[0].view(-1, KV_HEADS, ours[0].shape[-1])
+    read = reference.from_cache(rows[slots[0], 0], torch.float32)
+    if cache_dtype == torch.int8:
+        # A scale per row: the largest magnitude is kept to its float16 scale's precision.
+        largest = key[0, 0, 0].float().item()
+        assert abs(read[0].item() - largest) < largest * 2**-10
+        assert read[1].item() == -read[0].item()
+        assert torch.equal(rows[slots[1], 0], torch.zeros_like(rows[0, 0]))  # zeros: scale 0
+        kept = slots >= 0
+        values = ours[1].view(-1, KV_HEADS, ours[1].shape[-1])[slots[kept]]
+        want = value[kept].float()
+        error = (reference.from_cache(values, torch.float32) - want).abs().amax(-1)
+        # Half a step of the row's scale (its largest magnitude over 127), within float16's.
+        assert bool((error <= 1.01 * want.abs().amax(-1) / 254).all())
+    else:
+        limit = torch.finfo(cache_dtype).max
+        assert read[:2].tolist() == [limit, -limit]  # saturated, never inf or NaN
+        assert bool(torch.isfinite(ours[0].float()).all())
 
 
 def attention_case(dtype, cache_dtype, head_dim, lens):
     generator = torch.Generator().manual_seed(head_dim + len(lens))
-    k_cache = (torch.randn(NUM_BLOCKS, BLOCK, KV_HEADS, head_dim, generator=generator) * 2).to(
-        cache_dtype
-    )
-    v_cache = torch.randn(NUM_BLOCKS, BLOCK, KV_HEADS, head_dim, generator=generator).to(
-        cache_dtype
-    )
+    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, head_dim)
+    k_cache = reference.to_cache(torch.randn(shape, generator=generator) * 2, cache_dtype)
+    v_cache = reference.to_cache(torch.randn(shape, generator=generator), cache_dtype)
     width = max(-(-n // BLOCK) for n in lens)
     order = torch.randperm(NUM_BLOCKS, generator=generator)
     tables = torch.stack([order[i : i + width] for i in range(len(lens))]).int()
@@ -100,7 +113,10 @@ def test_the_kernel_refuses_caches_it_cannot_read():
     with pytest.raises(RuntimeError, match="the caches must share a dtype"):
         attention(q, k_cache, v_cache.to(torch.float8_e5m2), tables, seq_lens, 0.125, 0)
     with pytest.raises(RuntimeError, match="the caches must share a dtype"):
-        attention(q, k_cache.to(torch.int8), v_cache.to(torch.int8), tables, seq_lens, 0.125, 0)
+        attention(q, k_cache.to(torch.int16), v_cache.to(torch.int16), tables, seq_lens, 0.1, 0)
+    with pytest.raises(RuntimeError, match="int8 rows: head_dim \\+ 2 scale bytes"):
+        # int8 rows without room for their scales
+        attention(q, k_cache.view(torch.int8), v_cache.view(torch.int8), tables, seq_lens, 0.1, 0)
     key = torch.randn(1, KV_HEADS, 64)
-    with pytest.raises(RuntimeError, match="caches' dtype, or the caches 8-bit floats"):
+    with pytest.raises(RuntimeError, match="caches' dtype, or the caches 8-bit"):
         torch.ops.pagedllm_cpu.write_kv(key, key.bfloat16(), k_cache, v_cache, torch.tensor([0]))

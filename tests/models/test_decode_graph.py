@@ -88,14 +88,15 @@ def test_the_graph_gives_the_eager_bits_on_every_architecture(tmp_path, case, dt
         assert_logits_match(logits, hf_logits(hf_model, tokens))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", ["llama-gqa", "qwen3-qk-norm", "mistral-sliding-window"])
 def test_the_graph_over_an_8bit_cache_gives_the_eager_bits(
     tmp_path, case, dtype, cache_dtype, graph_calls
 ):
-    """``--kv-cache-dtype fp8``: the graph writes and reads the 8-bit cache as the eager
-    modules do, bit for bit, and the logits stay near those of the model's own cache."""
+    """``--kv-cache-dtype fp8`` and ``int8_per_token_head``: the graph writes and reads the
+    8-bit cache as the eager modules do, bit for bit, and the logits stay near those of the
+    model's own cache."""
     save_hf_model(tmp_path, CASES[case])
     model, _ = load_model(tmp_path, dtype=dtype)
     tokens = token_sequences()
@@ -167,7 +168,13 @@ def test_enforce_eager_is_a_serve_flag():
 
 @pytest.mark.parametrize(
     ("dtype", "kv_cache_dtype"),
-    [("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8"), ("bfloat16", "fp8_e5m2")],
+    [
+        ("float32", "auto"),
+        ("bfloat16", "auto"),
+        ("float32", "fp8"),
+        ("bfloat16", "fp8_e5m2"),
+        ("bfloat16", "int8_per_token_head"),
+    ],
 )
 def test_nothing_is_traced_or_compiled_at_any_batch_size_or_prompt_length(
     graph_calls, dtype, kv_cache_dtype

@@ -16,7 +16,8 @@ MEMORY = 8 * 2**20
 
 
 def test_the_names_are_vllms_and_anything_else_is_refused(capsys):
-    assert KV_CACHE_DTYPES == ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    assert KV_CACHE_DTYPES == ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head")
+    assert kv_cache.cache_dtype("int8_per_token_head", torch.bfloat16) == torch.int8
     assert kv_cache.cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert kv_cache.cache_dtype("fp8", torch.float32) == torch.float8_e4m3fn
     assert kv_cache.cache_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
@@ -32,7 +33,8 @@ def test_the_names_are_vllms_and_anything_else_is_refused(capsys):
 
 def test_the_same_memory_holds_twice_a_bfloat16_caches_tokens():
     blocks = {}
-    for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")):
+    kinds = [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")]
+    for dtype, kv in [*kinds, ("bfloat16", "int8_per_token_head")]:
         llm = LLM(kv_cache_memory=MEMORY, max_model_len=256, dtype=dtype, kv_cache_dtype=kv)
         runner = llm.engine.runner
         blocks[dtype, kv] = runner.num_blocks
@@ -42,3 +44,10 @@ def test_the_same_memory_holds_twice_a_bfloat16_caches_tokens():
         del llm
     assert blocks["bfloat16", "fp8"] >= 1.9 * blocks["bfloat16", "auto"]
     assert blocks["bfloat16", "fp8"] >= 3.8 * blocks["float32", "auto"]
+    # int8 rows carry 2 bytes of scale per head: 66 bytes where bfloat16 takes 128 (head 64).
+    assert blocks["bfloat16", "int8_per_token_head"] >= 1.9 * blocks["bfloat16", "auto"]
+
+
+def test_int8_rows_are_refused_where_only_the_cpu_kernels_read_them():
+    with pytest.raises(ValueError, match="int8_per_token_head is read by the CPU kernels only"):
+        LLM(kv_cache_memory=MEMORY, kv_cache_dtype="int8_per_token_head", kernel_backend="triton")
