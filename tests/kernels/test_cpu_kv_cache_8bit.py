@@ -89,15 +89,19 @@ def test_decode_reads_the_8bit_cache_in_place_like_the_reference(
     torch.testing.assert_close(ours.float(), theirs.float(), atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("cache_dtype", EIGHT_BIT)
+@pytest.mark.parametrize("cache_dtype", [None, *EIGHT_BIT])  # None: the activations' dtype
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prompt_chunks_and_short_rows_attend_like_the_reference(dtype, cache_dtype):
-    lens = [150, 60, 9]
-    q_lens = [40, 5, 9]  # a prompt chunk after a prefix, rows run as decode rows, a prompt
-    k_cache, v_cache, tables, seq_lens = attention_case(dtype, cache_dtype, 64, lens)
+@pytest.mark.parametrize("window", [None, 20])
+def test_prompt_chunks_and_short_rows_attend_like_the_reference(dtype, cache_dtype, window):
+    """A chunk after a prefix and a whole prompt (torch's flash kernel, the chunk after a
+    prefix merged by log-sum-exp; with a window, the masked kernel), and short rows (the
+    decode kernel)."""
+    lens = [150, 60, 9, 30]
+    q_lens = [40, 5, 9, 30]
+    k_cache, v_cache, tables, seq_lens = attention_case(dtype, cache_dtype or dtype, 64, lens)
     q = torch.randn(sum(q_lens), 3 * KV_HEADS, 64).to(dtype)
-    cu = torch.tensor([0, 40, 45, 54], dtype=torch.int32)
-    args = (q, k_cache, v_cache, tables, cu, seq_lens, 0.125)
+    cu = torch.tensor([0, 40, 45, 54, 84], dtype=torch.int32)
+    args = (q, k_cache, v_cache, tables, cu, seq_lens, 0.125, window)
     ours = cpu_ops.paged_attention(*args, max_seqlen_q=40)
     theirs = reference.paged_attention(*args, max_seqlen_q=40)
     tolerance = 1e-5 if dtype == torch.float32 else 2**-6
