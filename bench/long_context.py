@@ -25,9 +25,12 @@ The time budget: about 2 minutes a repeat per cache kind and 4 minutes of qualit
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import common
@@ -177,11 +180,35 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-quality", action="store_true")
     parser.add_argument("--name", default="long_context")
+    parser.add_argument(
+        "--from-results",
+        type=Path,
+        help="report again from the runs, KV tokens and quality of a JSON this script wrote",
+    )
     args = parser.parse_args()
     kinds = [k.strip() for k in args.kv.split(",") if k.strip()]
+    if args.from_results is not None:
+        saved = json.loads(args.from_results.read_text())
+        runs = {
+            (key.split("@")[0], int(key.split("@")[1])): value
+            for key, value in saved["runs"].items()
+        }
+        kinds = list(dict.fromkeys(kind for kind, _ in runs))
+        capacity = {row["kv"]: row["kv_tokens"] for row in saved["table"]}
+        report(args, kinds, runs, capacity, saved.get("quality", {}), saved["machine"])
+        return
     common.set_threads(args.threads)
     common.warn_if_busy()
+    runs, capacity = measure_all(args, kinds)
+    scores = {} if args.no_quality else quality(args.model, kinds)
+    report(args, kinds, runs, capacity, scores, common.machine_info())
 
+
+Runs = dict[tuple[str, int], list[dict[str, float]]]
+
+
+def measure_all(args: argparse.Namespace, kinds: list[str]) -> tuple[Runs, dict[str, int]]:
+    """Every KV kind at every concurrency, ``args.repeats`` times, alternating the kinds."""
     from pagedllm import LLM
 
     engines = {
@@ -202,7 +229,7 @@ def main() -> None:
         for kind, llm in engines.items()
     }
     rng = random.Random(0)
-    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    runs: Runs = {}
     for repeat in range(args.repeats):
         order = kinds if repeat % 2 == 0 else kinds[::-1]
         for concurrency in CONCURRENCIES:
@@ -217,40 +244,48 @@ def main() -> None:
                     f"decode {result['decode_tokens_per_s']:.1f} tokens/s",
                     flush=True,
                 )
-    del engines
+    return runs, capacity
 
+
+def report(
+    args: argparse.Namespace,
+    kinds: list[str],
+    runs: Runs,
+    capacity: dict[str, int],
+    scores: dict[str, dict[str, float]],
+    machine: dict[str, Any],
+) -> None:
     def median(kind: str, concurrency: int, key: str) -> float:
-        values = sorted(r[key] for r in runs[kind, concurrency])
-        return values[len(values) // 2]
+        return statistics.median(r[key] for r in runs[kind, concurrency])
 
-    rows = []
-    results: dict[str, Any] = {"runs": {f"{k}@{c}": v for (k, c), v in runs.items()}}
-    for kind in kinds:
-        for concurrency in CONCURRENCIES:
-            rows.append(
-                [
-                    kind,
-                    concurrency,
-                    median(kind, concurrency, "ttft_s"),
-                    median(kind, concurrency, "decode_tokens_per_s"),
-                    capacity[kind],
-                ]
-            )
+    rows = [
+        [
+            kind,
+            concurrency,
+            median(kind, concurrency, "ttft_s"),
+            median(kind, concurrency, "decode_tokens_per_s"),
+            capacity[kind],
+        ]
+        for kind in kinds
+        for concurrency in CONCURRENCIES
+    ]
     common.print_table(
         ["KV cache", "concurrency", "TTFT s (median)", "decode tokens/s (median)", "KV tokens"],
         rows,
         title=f"Long contexts: {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} out, bfloat16",
     )
-    scores = {} if args.no_quality else quality(args.model, kinds)
-    results["quality"] = scores
     targets = targets_of(kinds, median, capacity, scores)
     common.print_targets(targets)
-    results |= {
-        "machine": common.machine_info(),
+    repeats = len(next(iter(runs.values())))
+    results = {
+        "benchmark": "long_context",
+        "machine": machine,
         "model": args.model,
         "prompt_tokens": PROMPT_TOKENS,
         "output_tokens": OUTPUT_TOKENS,
-        "repeats": args.repeats,
+        "repeats": repeats,
+        "runs": {f"{k}@{c}": v for (k, c), v in runs.items()},
+        "quality": scores,
         "table": [
             dict(
                 zip(
@@ -264,14 +299,19 @@ def main() -> None:
         "targets": [t.to_json() for t in targets],
     }
     print(f"\nwrote {common.write_json(args.name, results)}")
-    fig, ax = common.new_figure()
-    for concurrency in CONCURRENCIES:
+    fig, (ax,) = common.new_figure()
+    width = 0.8 / len(CONCURRENCIES)
+    for i, concurrency in enumerate(CONCURRENCIES):
         ax.bar(
-            [f"{k}\n@{concurrency}" for k in kinds],
-            [median(k, concurrency, "decode_tokens_per_s") for k in kinds],
+            [k + i * width for k in range(len(kinds))],
+            [median(kind, concurrency, "decode_tokens_per_s") for kind in kinds],
+            width,
+            label=f"concurrency {concurrency}",
         )
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title(f"{PROMPT_TOKENS}-token contexts, SmolLM2 bfloat16")
+    ax.set_xticks([k + width / 2 for k in range(len(kinds))], kinds)
+    ax.set_ylabel("decode tokens/s (median)")
+    ax.set_title(f"{PROMPT_TOKENS}-token contexts, SmolLM2 bfloat16, {repeats} repeats")
+    ax.legend()
     print(f"wrote {common.save_figure(fig, args.name)}")
 
 
