@@ -234,48 +234,36 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
                   slots.numel() == key.size(0),
               "slots must be int64 [num_tokens]");
   const int64_t capacity = k_cache.size(0) * k_cache.size(1);
-  if (int8_rows) {
+  if (int8_rows || (eight_bit && key.scalar_type() != cache_type)) {
+    // Each (token, head) row widened to float32, then written as the cache holds it: int8
+    // values with their scale, or 8-bit floats. Every 8-bit cache row is `row` bytes.
     const int64_t heads = key.size(1), dim = key.size(2), row = k_cache.size(3);
     const int64_t* slot = slots.data_ptr<int64_t>();
-    DISPATCH_MODEL_TYPES(key.scalar_type(), "write_kv_int8", [&] {
+    DISPATCH_MODEL_TYPES(key.scalar_type(), "write_kv_8bit", [&] {
       std::vector<float> widened(dim);
+      const auto write_row = [&](char* out) {
+        if (int8_rows) {
+          quantize_row(widened.data(), dim, reinterpret_cast<int8_t*>(out));
+        } else if (cache_type == at::kFloat8_e4m3fn) {
+          auto* fp8 = reinterpret_cast<c10::Float8_e4m3fn*>(out);
+          for (int64_t i = 0; i < dim; ++i) fp8[i] = to_cache<c10::Float8_e4m3fn>(widened[i]);
+        } else {
+          auto* fp8 = reinterpret_cast<c10::Float8_e5m2*>(out);
+          for (int64_t i = 0; i < dim; ++i) fp8[i] = to_cache<c10::Float8_e5m2>(widened[i]);
+        }
+      };
       for (const auto& [x, cache] : {std::pair{&key, &k_cache}, std::pair{&value, &v_cache}}) {
         const scalar_t* src = x->data_ptr<scalar_t>();
-        auto* dst = static_cast<int8_t*>(cache->data_ptr());
+        auto* dst = static_cast<char*>(cache->data_ptr());
         for (int64_t t = 0; t < x->size(0); ++t) {
           if (slot[t] < 0) continue;
           TORCH_CHECK(slot[t] < capacity, "slot ", slot[t], " is outside the cache");
           for (int64_t h = 0; h < heads; ++h) {
             const scalar_t* in = src + t * x->stride(0) + h * dim;
             for (int64_t i = 0; i < dim; ++i) widened[i] = float(in[i]);
-            quantize_row(widened.data(), dim, dst + (slot[t] * heads + h) * row);
+            write_row(dst + (slot[t] * heads + h) * row);
           }
         }
-      }
-    });
-    return;
-  }
-  if (eight_bit && key.scalar_type() != cache_type) {
-    const int64_t row = key.size(1) * key.size(2);
-    const int64_t* slot = slots.data_ptr<int64_t>();
-    DISPATCH_MODEL_TYPES(key.scalar_type(), "write_kv_8bit", [&] {
-      const auto write = [&](auto* cache, const at::Tensor& x) {
-        using C = std::remove_pointer_t<decltype(cache)>;
-        const scalar_t* src = x.data_ptr<scalar_t>();
-        for (int64_t t = 0; t < x.size(0); ++t) {
-          if (slot[t] < 0) continue;
-          TORCH_CHECK(slot[t] < capacity, "slot ", slot[t], " is outside the cache");
-          const scalar_t* in = src + t * x.stride(0);
-          C* out = cache + slot[t] * row;
-          for (int64_t i = 0; i < row; ++i) out[i] = to_cache<C>(float(in[i]));
-        }
-      };
-      if (cache_type == at::kFloat8_e4m3fn) {
-        write(static_cast<c10::Float8_e4m3fn*>(k_cache.data_ptr()), key);
-        write(static_cast<c10::Float8_e4m3fn*>(v_cache.data_ptr()), value);
-      } else {
-        write(static_cast<c10::Float8_e5m2*>(k_cache.data_ptr()), key);
-        write(static_cast<c10::Float8_e5m2*>(v_cache.data_ptr()), value);
       }
     });
     return;
