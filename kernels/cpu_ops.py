@@ -20,12 +20,12 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_extension, layer_ops
 from pagedllm.kernels import quant_linear as quant_reference
+from pagedllm.kernels.reference import FLOAT8, INT8_ROWS, from_cache, to_cache
 from pagedllm.kernels.reference import copy_blocks as copy_blocks
-from pagedllm.kernels.reference import from_cache, to_cache
 
 # The 8-bit caches besides the activations' dtype (8-bit floats, int8 rows with their scales):
 # read in place by the C++ decode kernel, widened per chunk for torch's prefill attention.
-EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+EIGHT_BIT = (*FLOAT8, INT8_ROWS)
 
 # Steps of at most this many tokens of a sequence run as decode rows: a row per query reads
 # the sequence's keys in place, which for a few queries beats gathering a copy per sequence
@@ -55,7 +55,7 @@ def write_kv(
         key, value, slots = key[keep], value[keep], slots[keep]
     for x, cache in ((key, k_cache), (value, v_cache)):
         rows = to_cache(x, cache.dtype)
-        if cache.dtype in EIGHT_BIT[:2]:  # index_copy_ has no 8-bit float kernel: copy bytes
+        if cache.dtype in FLOAT8:  # index_copy_ has no 8-bit float kernel: copy the bytes
             rows, cache = rows.view(torch.uint8), cache.view(torch.uint8)
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
 

@@ -28,6 +28,8 @@ from pagedllm.kernels.quant_linear import quant_linear as quant_linear
 # in its last SCALE_BYTES bytes, their float16 scale: x = scale * q, q in [-127, 127].
 INT8_ROWS = torch.int8
 SCALE_BYTES = 2
+# The 8-bit float caches, stored with a scale of 1.
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def cache_row_size(head_dim: int, dtype: torch.dtype) -> int:
@@ -46,7 +48,7 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
       float32 and rounded to nearest even; a row of zeros has scale 0 and values 0.
     - anything else: a plain cast.
     """
-    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if dtype in FLOAT8:
         limit = torch.finfo(dtype).max
         return x.float().clamp(-limit, limit).to(dtype)
     if dtype == INT8_ROWS:

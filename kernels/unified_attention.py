@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.kernels.reference import FLOAT8
 from pagedllm.kernels.triton_device import compute_capability, is_interpreting, tl, triton
 
 # The smallest tile tl.dot accepts on NVIDIA GPUs.
@@ -35,7 +36,7 @@ MAX_KV_SPLITS = 32
 # Where the compute capability is unknown (the interpreter) the tiles are chosen as for sm_90.
 DEFAULT_CAPABILITY = (9, 0)
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = FLOAT8
 # Triton has float8_e4m3fn (its fp8e4nv) from sm_89 on, float8_e5m2 on every target.
 FP8_E4M3_MIN_CAPABILITY = (8, 9)
 
