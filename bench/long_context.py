@@ -1,25 +1,31 @@
 """Long contexts: distinct prompts of ~3,000 tokens (no prefix shared between requests), 128
-tokens out, SmolLM2 in bfloat16, at concurrency 1 and 8, with the KV cache in bfloat16
-(``auto``) and in 8 bits (``int8_per_token_head``, ``fp8``).
+tokens out, SmolLM2 in bfloat16, at concurrency 1 and 8: PagedLLM with the KV cache in bfloat16
+(``auto``) and in 8 bits (``int8_per_token_head``, ``fp8``), beside vLLM's CPU build (KV
+``auto`` and ``fp8``) and llama.cpp's server on a bfloat16 GGUF file written from the same
+weights (its default cache, and ``-fa on -ctk q8_0 -ctv q8_0``).
 
     python bench/long_context.py [--repeats 3] [--kv auto,int8_per_token_head,fp8]
+        [--peers vllm,llama.cpp] [--vllm-venv DIR] [--llama-dir DIR]
 
-Each engine runs in this process, one after the other in each repeat (the order reversed every
-other repeat); a figure is the median of the repeats. Per request set:
+Every engine is started once and held open; in each repeat they run one after the other (the
+order reversed every other repeat), the others paused; a figure is the median of the repeats.
+PagedLLM runs in this process, vLLM's offline engine in its own venv (bench/vllm_offline.py),
+llama-server over HTTP with one slot per request. Per request set:
 
 - TTFT: the wall time of the prompts alone (one output token), all queued at once, over the
   requests (at concurrency 1, one prompt's time to its first token);
-- decode tokens/s: the same prompts run again for 128 tokens. The first run left their blocks
-  in the prefix cache, so this run recomputes only each prompt's last partial block and then
-  decodes: 128 tokens a request over the wall time, the decode steps reading a ~3,000-token
-  cache each;
-- the KV tokens the same ``--kv-cache-memory`` holds;
+- decode tokens/s: the same prompts run again for 128 tokens. The first run left them in the
+  engine's prefix cache (llama.cpp: in its slots), so this run recomputes only each prompt's
+  last partial block and then decodes: 128 tokens a request over the wall time, the decode
+  steps reading a ~3,000-token cache each;
+- the KV tokens the same ``--kv-cache-memory`` holds (1 GiB; vLLM's is the same GiB);
 - the 8-bit caches' quality against the bfloat16 cache: perplexity on a fixed text of 2,000
   tokens, and teacher-forced argmax agreement on the 16-bit cache's greedy answers to 12 chat
   questions (``pagedllm_testing.quality``).
 
-The time budget: about 2 minutes a repeat per cache kind and 4 minutes of quality checks, on a
-2-core machine.
+The time budget, on a 2-core machine: the peers' start-up (vLLM compiles, a few minutes; the
+bfloat16 GGUF file is written once), then about 3 minutes a repeat per PagedLLM cache and 5 per
+peer configuration (their bfloat16 prompts are slower here), and 4 minutes of quality checks.
 """
 
 from __future__ import annotations
@@ -28,46 +34,208 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import common
+import llama_cpp
+import serving
 
 PROMPT_TOKENS = 3000
 OUTPUT_TOKENS = 128
 CONCURRENCIES = (1, 8)
 KV_MEMORY = 1 << 30
 KINDS = ("auto", "int8_per_token_head", "fp8")
+MAX_LEN = PROMPT_TOKENS + OUTPUT_TOKENS + 64
+PEERS = ("vllm", "llama.cpp")
+VLLM_CACHES = ("auto", "fp8")
+# llama-server's default cache, and its 8-bit one (a quantized V cache needs flash attention).
+LLAMA_CACHES = {"default": [], "q8_0": ["-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"]}
+HERE = Path(__file__).resolve().parent
+VLLM_MARKER = "@@"  # bench/vllm_offline.py --serve: its result lines
+# The issue's targets for the 8-bit caches.
+MIN_VS_AUTO = 1.3
+MIN_VS_VLLM_FP8 = 1.2
+MIN_VS_LLAMA_Q8 = 1.0
+MIN_CAPACITY = 1.9
 QUALITY_CHUNK = 256
 QUALITY_TOKENS = 48
 
 
-def distinct_prompts(count: int, vocab: int, rng: random.Random) -> list[dict[str, list[int]]]:
+def distinct_prompts(count: int, vocab: int, rng: random.Random) -> list[list[int]]:
     return [
-        {"prompt_token_ids": [rng.randrange(common.FIRST_PLAIN_TOKEN, vocab) for _ in range(n)]}
-        for n in [PROMPT_TOKENS] * count
+        [rng.randrange(common.FIRST_PLAIN_TOKEN, vocab) for _ in range(PROMPT_TOKENS)]
+        for _ in range(count)
     ]
 
 
-def measure(llm: Any, prompts: list[dict[str, list[int]]]) -> dict[str, float]:
-    from pagedllm import SamplingParams
+# An engine's run of a request set: (prompts' token ids, max tokens) -> (seconds, tokens out).
+Run = Callable[[list[list[int]], int], tuple[float, int]]
 
-    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate(prompts, first, use_tqdm=False)
-    prefill_s = time.perf_counter() - start
-    rest = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, rest, use_tqdm=False)
-    decode_s = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+
+@dataclass
+class Engine:
+    """One engine configuration, started once and held open for every repeat."""
+
+    label: str
+    run: Run
+    kv_tokens: int | None  # what the 1 GiB of KV memory holds (llama.cpp: its fixed context)
+    proc: subprocess.Popen | None = None  # a peer's process group, paused while others run
+
+
+def measure(engine: Engine, prompts: list[list[int]]) -> dict[str, float]:
+    prefill_s, _ = engine.run(prompts, 1)
+    decode_s, tokens = engine.run(prompts, OUTPUT_TOKENS)
     return {
         "ttft_s": prefill_s if len(prompts) == 1 else prefill_s / 2,
         "prefill_s": prefill_s,
         "decode_tokens_per_s": tokens / decode_s,
     }
+
+
+def pagedllm_engine(args: argparse.Namespace, kind: str) -> Engine:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        quantization="none",
+        kv_cache_dtype=kind,
+        kv_cache_memory=KV_MEMORY,
+        max_model_len=MAX_LEN,
+        max_num_seqs=max(CONCURRENCIES),
+    )
+
+    def run(prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    runner = llm.engine.runner
+    return Engine(kind, run, runner.num_blocks * runner.block_size)
+
+
+def vllm_engine(args: argparse.Namespace, kv: str, workdir: Path) -> Engine:
+    """vLLM's offline engine in its venv (bench/vllm_offline.py --serve), answering over a pipe."""
+    spec = workdir / f"vllm-{kv}.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "model": str(common.hf_model_dir(common.resolve_model(args.model))),
+                "dtype": "bfloat16",
+                "kv_cache_dtype": kv,
+                "max_model_len": MAX_LEN,
+                "max_num_seqs": max(CONCURRENCIES),
+            }
+        )
+    )
+    log_path = workdir / f"vllm-{kv}.log"
+    log = log_path.open("w")
+    # -P and a folder of its own: not bench/ or the repository first on its path.
+    proc = subprocess.Popen(
+        [
+            str(args.vllm_venv / "bin" / "python"),
+            "-P",
+            str(HERE / "vllm_offline.py"),
+            "--serve",
+            str(spec),
+        ],
+        env=serving.vllm_env(args.threads, KV_MEMORY),
+        cwd=workdir,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout = proc.stdin, proc.stdout
+
+    def result() -> dict[str, Any]:
+        for line in stdout:
+            if line.startswith(VLLM_MARKER):
+                return json.loads(line[len(VLLM_MARKER) :])
+            log.write(line)
+        raise RuntimeError(f"vLLM's worker exited with {proc.wait()}; see {log_path}")
+
+    try:
+        ready = result()
+    except BaseException:
+        common.stop_process(proc)
+        raise
+    print(f"vLLM, KV {kv}: ready after {ready['startup_s']:.0f} s", flush=True)
+
+    def run(prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+        stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        stdin.flush()
+        answer = result()
+        return answer["elapsed_s"], answer["output_tokens"]
+
+    return Engine(f"vllm {kv}", run, ready["kv_tokens"], proc)
+
+
+def wait_llama_ready(proc: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
+    started = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}; see {log_path}")
+        try:
+            serving.post(url, {"prompt": "Warm up", "n_predict": 4}, timeout=300)
+            return
+        except OSError:  # not listening yet, or 503 while it loads
+            if time.monotonic() - started > timeout:
+                raise RuntimeError(f"llama-server not ready; see {log_path}") from None
+            time.sleep(1)
+
+
+def llama_engine(args: argparse.Namespace, cache: str, gguf: Path, workdir: Path) -> Engine:
+    """llama-server with a slot per request of the largest set, each slot a whole context."""
+    port = common.free_port()
+    slots = max(CONCURRENCIES)
+    flags = LLAMA_CACHES[cache]
+    log_path = workdir / f"llama.cpp-{cache}.log"
+    proc = subprocess.Popen(
+        [
+            str(args.llama_server), "-m", str(gguf), "-t", str(args.threads),
+            "-c", str(slots * MAX_LEN), "--parallel", str(slots),
+            "--host", "127.0.0.1", "--port", str(port), *flags,
+        ],
+        env=serving.thread_env(args.threads),
+        stdout=log_path.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/completion"
+    try:
+        wait_llama_ready(proc, url, args.ready_timeout, log_path)
+    except BaseException:
+        common.stop_process(proc)
+        raise
+
+    def one(prompt: list[int], max_tokens: int) -> int:
+        body = {
+            "prompt": prompt,
+            "n_predict": max_tokens,
+            "ignore_eos": True,
+            "cache_prompt": True,  # the second run finds its prompt in its slot
+            "temperature": 0,
+        }
+        return int(serving.post(url, body, timeout=3600)["tokens_predicted"])
+
+    def run(prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            start = time.perf_counter()
+            tokens = sum(pool.map(lambda p: one(p, max_tokens), prompts))
+            return time.perf_counter() - start, tokens
+
+    return Engine(f"llama.cpp {cache}", run, slots * MAX_LEN, proc)
 
 
 def quality(model_name: str, kinds: list[str]) -> dict[str, dict[str, float]]:
@@ -116,11 +284,13 @@ def quality(model_name: str, kinds: list[str]) -> dict[str, dict[str, float]]:
 
 def targets_of(
     kinds: list[str],
+    labels: list[str],
     median: Callable[[str, int, str], float],
-    capacity: dict[str, int],
+    capacity: dict[str, int | None],
     scores: dict[str, dict[str, float]],
 ) -> list[common.Target]:
-    """The issue's targets for the 8-bit caches, against the bfloat16 cache and the peers."""
+    """The issue's targets for the 8-bit caches (``kinds``: PagedLLM's), against the bfloat16
+    cache and the peers' engines among ``labels``."""
     targets = []
     for kind in kinds:
         if kind == "auto" or "auto" not in kinds:
@@ -130,15 +300,15 @@ def targets_of(
             common.Target(
                 f"{kind}: decode tokens/s at concurrency 8 over the bfloat16 cache's",
                 speed,
-                1.3,
+                MIN_VS_AUTO,
                 unit="x",
             )
         )
         targets.append(
             common.Target(
                 f"{kind}: KV tokens in the same memory over the bfloat16 cache's",
-                capacity[kind] / capacity["auto"],
-                1.9,
+                (capacity[kind] or 0) / (capacity["auto"] or 1),
+                MIN_CAPACITY,
                 unit="x",
             )
         )
@@ -165,10 +335,28 @@ def targets_of(
                 unit=" %",
             )
         )
-    for peer in ("vLLM-CPU with fp8 (>= 1.2x at concurrency 8)", "llama.cpp q8_0 (>= 1x at 1)"):
-        targets.append(
-            common.Target(f"against {peer}", None, 1.0, note="peers not run by this script yet")
-        )
+    for kind in kinds:
+        if kind == "auto":
+            continue
+        for peer, concurrency, threshold in (
+            ("vllm fp8", 8, MIN_VS_VLLM_FP8),
+            ("llama.cpp q8_0", 1, MIN_VS_LLAMA_Q8),
+        ):
+            value = (
+                median(kind, concurrency, "decode_tokens_per_s")
+                / median(peer, concurrency, "decode_tokens_per_s")
+                if peer in labels
+                else None
+            )
+            targets.append(
+                common.Target(
+                    f"{kind}: decode tokens/s at concurrency {concurrency} over {peer}'s",
+                    value,
+                    threshold,
+                    unit="x",
+                    note="" if value is not None else "peer not run (--peers)",
+                )
+            )
     return targets
 
 
@@ -176,9 +364,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kv", default=",".join(KINDS))
+    parser.add_argument("--kv", default=",".join(KINDS), help="PagedLLM's KV cache dtypes")
+    parser.add_argument("--peers", default=",".join(PEERS), help=f"of {', '.join(PEERS)}, or none")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-quality", action="store_true")
+    parser.add_argument("--vllm-venv", type=Path, default=serving.DEFAULT_VLLM_VENV)
+    parser.add_argument("--llama-dir", type=Path, default=llama_cpp.DEFAULT_DIR)
+    parser.add_argument("--llama-server", type=Path, help="a built llama-server to use")
+    parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--name", default="long_context")
     parser.add_argument(
         "--from-results",
@@ -187,94 +380,131 @@ def main() -> None:
     )
     args = parser.parse_args()
     kinds = [k.strip() for k in args.kv.split(",") if k.strip()]
+    peers = [p.strip() for p in args.peers.split(",") if p.strip() not in ("", "none")]
+    if unknown := sorted(set(peers) - set(PEERS)):
+        parser.error(f"unknown peers {unknown}; known: {list(PEERS)}")
+    args.llama_server = args.llama_server or llama_cpp.server_path(args.llama_dir)
     if args.from_results is not None:
         saved = json.loads(args.from_results.read_text())
         runs = {
-            (key.split("@")[0], int(key.split("@")[1])): value
+            (key.rsplit("@", 1)[0], int(key.rsplit("@", 1)[1])): value
             for key, value in saved["runs"].items()
         }
-        kinds = list(dict.fromkeys(kind for kind, _ in runs))
+        labels = list(dict.fromkeys(label for label, _ in runs))
         capacity = {row["kv"]: row["kv_tokens"] for row in saved["table"]}
-        report(args, kinds, runs, capacity, saved.get("quality", {}), saved["machine"])
+        report(args, labels, runs, capacity, saved.get("quality", {}), saved["machine"])
         return
+    if "vllm" in peers and not (args.vllm_venv / "bin" / "python").exists():
+        parser.error(
+            f"no vLLM venv at {args.vllm_venv}: run `python bench/serving.py --setup-peers`"
+        )
+    if "llama.cpp" in peers and not args.llama_server.exists():
+        parser.error(
+            f"no llama-server at {args.llama_server}: run bench/quantized.py --setup-llama"
+        )
     common.set_threads(args.threads)
     common.warn_if_busy()
-    runs, capacity = measure_all(args, kinds)
+    engines: list[Engine] = []
+    try:
+        start_engines(args, kinds, peers, engines)
+        vocab = common.vocab_size(common.resolve_model(args.model))
+        runs = measure_all(args, engines, vocab)
+    finally:
+        for engine in engines:
+            if engine.proc is not None:
+                serving.resume(engine.proc)
+                common.stop_process(engine.proc)
+    capacity = {engine.label: engine.kv_tokens for engine in engines}
     scores = {} if args.no_quality else quality(args.model, kinds)
-    report(args, kinds, runs, capacity, scores, common.machine_info())
+    report(args, [e.label for e in engines], runs, capacity, scores, common.machine_info())
 
 
 Runs = dict[tuple[str, int], list[dict[str, float]]]
 
 
-def measure_all(args: argparse.Namespace, kinds: list[str]) -> tuple[Runs, dict[str, int]]:
-    """Every KV kind at every concurrency, ``args.repeats`` times, alternating the kinds."""
-    from pagedllm import LLM
+def start_engines(
+    args: argparse.Namespace, kinds: list[str], peers: list[str], engines: list[Engine]
+) -> None:
+    """Every engine into ``engines`` as it starts (so that the caller stops those started if
+    one fails), each peer paused once it is up."""
+    workdir = common.RESULTS / "tmp" / args.name
+    workdir.mkdir(parents=True, exist_ok=True)
+    engines += [pagedllm_engine(args, kind) for kind in kinds]
+    if "vllm" in peers:
+        for kv in VLLM_CACHES:
+            engines.append(vllm_engine(args, kv, workdir))
+    if "llama.cpp" in peers:
+        hf_dir = common.hf_model_dir(common.resolve_model(args.model))
+        gguf = llama_cpp.bf16_gguf(hf_dir, args.llama_dir)
+        for cache in LLAMA_CACHES:
+            engines.append(llama_engine(args, cache, gguf, workdir))
+    for engine in engines:
+        if engine.proc is not None:
+            serving.pause(engine.proc)
 
-    engines = {
-        kind: LLM(
-            model=args.model,
-            dtype="bfloat16",
-            quantization="none",
-            kv_cache_dtype=kind,
-            kv_cache_memory=KV_MEMORY,
-            max_model_len=PROMPT_TOKENS + OUTPUT_TOKENS + 64,
-            max_num_seqs=max(CONCURRENCIES),
-        )
-        for kind in kinds
-    }
-    vocab = engines[kinds[0]].engine.runner.model_config.vocab_size
-    capacity = {
-        kind: llm.engine.runner.num_blocks * llm.engine.runner.block_size
-        for kind, llm in engines.items()
-    }
+
+def measure_all(args: argparse.Namespace, engines: list[Engine], vocab: int) -> Runs:
+    """Every engine at every concurrency, ``args.repeats`` times, alternating their order."""
     rng = random.Random(0)
     runs: Runs = {}
     for repeat in range(args.repeats):
-        order = kinds if repeat % 2 == 0 else kinds[::-1]
+        order = engines if repeat % 2 == 0 else engines[::-1]
         for concurrency in CONCURRENCIES:
-            prompts = distinct_prompts(concurrency, vocab, rng)  # the same for every kind
-            for kind in order:
+            prompts = distinct_prompts(concurrency, vocab, rng)  # the same for every engine
+            for engine in order:
+                if engine.proc is not None:
+                    serving.resume(engine.proc)
                 # A fresh copy per engine: its prefix cache must not hold them from before.
-                result = measure(engines[kind], [dict(p) for p in prompts])
-                runs.setdefault((kind, concurrency), []).append(result)
+                result = measure(engine, [list(p) for p in prompts])
+                if engine.proc is not None:
+                    serving.pause(engine.proc)
+                runs.setdefault((engine.label, concurrency), []).append(result)
                 print(
-                    f"repeat {repeat + 1}, concurrency {concurrency}, KV {kind}: "
+                    f"repeat {repeat + 1}, concurrency {concurrency}, {engine.label}: "
                     f"TTFT {result['ttft_s']:.2f} s, "
                     f"decode {result['decode_tokens_per_s']:.1f} tokens/s",
                     flush=True,
                 )
-    return runs, capacity
+    return runs
 
 
 def report(
     args: argparse.Namespace,
-    kinds: list[str],
+    labels: list[str],
     runs: Runs,
-    capacity: dict[str, int],
+    capacity: dict[str, int | None],
     scores: dict[str, dict[str, float]],
     machine: dict[str, Any],
 ) -> None:
-    def median(kind: str, concurrency: int, key: str) -> float:
-        return statistics.median(r[key] for r in runs[kind, concurrency])
+    def median(label: str, concurrency: int, key: str) -> float:
+        return statistics.median(r[key] for r in runs[label, concurrency])
 
     rows = [
         [
-            kind,
+            label,
             concurrency,
-            median(kind, concurrency, "ttft_s"),
-            median(kind, concurrency, "decode_tokens_per_s"),
-            capacity[kind],
+            median(label, concurrency, "ttft_s"),
+            median(label, concurrency, "decode_tokens_per_s"),
+            " ".join(f"{r['decode_tokens_per_s']:.1f}" for r in runs[label, concurrency]),
+            capacity[label],
         ]
-        for kind in kinds
+        for label in labels
         for concurrency in CONCURRENCIES
     ]
     common.print_table(
-        ["KV cache", "concurrency", "TTFT s (median)", "decode tokens/s (median)", "KV tokens"],
+        [
+            "engine, KV cache",
+            "concurrency",
+            "TTFT s (median)",
+            "decode tokens/s (median)",
+            "runs' decode tokens/s",
+            "KV tokens",
+        ],
         rows,
         title=f"Long contexts: {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} out, bfloat16",
     )
-    targets = targets_of(kinds, median, capacity, scores)
+    kinds = [label for label in labels if label in KINDS]
+    targets = targets_of(kinds, labels, median, capacity, scores)
     common.print_targets(targets)
     repeats = len(next(iter(runs.values())))
     results = {
@@ -284,31 +514,32 @@ def report(
         "prompt_tokens": PROMPT_TOKENS,
         "output_tokens": OUTPUT_TOKENS,
         "repeats": repeats,
-        "runs": {f"{k}@{c}": v for (k, c), v in runs.items()},
+        "runs": {f"{label}@{c}": v for (label, c), v in runs.items()},
         "quality": scores,
         "table": [
-            dict(
-                zip(
-                    ("kv", "concurrency", "ttft_s", "decode_tokens_per_s", "kv_tokens"),
-                    r,
-                    strict=True,
-                )
-            )
-            for r in rows
+            {
+                "kv": label,
+                "concurrency": concurrency,
+                "ttft_s": ttft,
+                "decode_tokens_per_s": speed,
+                "kv_tokens": tokens,
+            }
+            for label, concurrency, ttft, speed, _, tokens in rows
         ],
         "targets": [t.to_json() for t in targets],
     }
     print(f"\nwrote {common.write_json(args.name, results)}")
-    fig, (ax,) = common.new_figure()
+    fig, (ax,) = common.new_figure(width=8.0)
     width = 0.8 / len(CONCURRENCIES)
     for i, concurrency in enumerate(CONCURRENCIES):
         ax.bar(
-            [k + i * width for k in range(len(kinds))],
-            [median(kind, concurrency, "decode_tokens_per_s") for kind in kinds],
+            [k + i * width for k in range(len(labels))],
+            [median(label, concurrency, "decode_tokens_per_s") for label in labels],
             width,
             label=f"concurrency {concurrency}",
         )
-    ax.set_xticks([k + width / 2 for k in range(len(kinds))], kinds)
+    names = [label if " " in label else f"pagedllm {label}" for label in labels]
+    ax.set_xticks([k + width / 2 for k in range(len(labels))], names, rotation=30, ha="right")
     ax.set_ylabel("decode tokens/s (median)")
     ax.set_title(f"{PROMPT_TOKENS}-token contexts, SmolLM2 bfloat16, {repeats} repeats")
     ax.legend()

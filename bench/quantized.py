@@ -25,17 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import common
+import llama_cpp
 import serving
 
-DEFAULT_LLAMA_DIR = Path(tempfile.gettempdir()) / "pagedllm-llama.cpp"
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp, server included
 SERVERS = ("pagedllm", "pagedllm-float32", "llama.cpp")
 LLAMA_PARALLEL = 16
 QUALITY_TOKENS = 48
@@ -47,41 +43,6 @@ MIN_VS_LLAMA_C1 = 0.8
 MIN_VS_LLAMA_C16 = 1.5
 MIN_AGREEMENT = 0.9
 MAX_PERPLEXITY_CHANGE = 0.02
-
-
-def llama_server_path(directory: Path) -> Path:
-    return directory / "build" / "bin" / "llama-server"
-
-
-def setup_llama(directory: Path) -> Path:
-    """Download the sdist and build ``llama-server`` for this CPU; its path."""
-    binary = llama_server_path(directory)
-    if binary.exists():
-        return binary
-    directory.mkdir(parents=True, exist_ok=True)
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-    subprocess.run([*pip, "-d", str(directory), LLAMA_CPP_PYTHON], check=True)
-    (archive,) = directory.glob("llama_cpp_python-*.tar.gz")
-    subprocess.run(["tar", "xzf", archive.name], cwd=directory, check=True)
-    (source,) = directory.glob("llama_cpp_python-*/vendor/llama.cpp")
-    build = directory / "build"
-    # Without AMX: on a CPU that has it (Sapphire/Granite Rapids), ggml's AMX matmul in this
-    # release dies of SIGILL at its first product (tilezero with no tile configuration loaded),
-    # so llama-server cannot start; its AVX-512 VNNI kernels and weight repacking stay.
-    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    subprocess.run(
-        [
-            "cmake", "-S", str(source), "-B", str(build), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release",
-            f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}",
-        ],
-        check=True,
-    )  # fmt: skip
-    jobs = str(os.cpu_count() or 2)
-    subprocess.run(
-        ["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], check=True
-    )
-    return binary
 
 
 def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[str, Any]:
@@ -250,7 +211,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ready-timeout", type=float, default=300)
-    parser.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA_DIR)
+    parser.add_argument("--llama-dir", type=Path, default=llama_cpp.DEFAULT_DIR)
     parser.add_argument("--llama-server", type=Path, help="a built llama-server to use")
     parser.add_argument(
         "--setup-llama", action="store_true", help="build llama-server (once), then exit"
@@ -259,9 +220,9 @@ def main() -> None:
     args = parser.parse_args()
     args.concurrencies = [int(c) for c in args.concurrencies.split(",")]
     if args.setup_llama:
-        print(f"llama-server at {setup_llama(args.llama_dir)}")
+        print(f"llama-server at {llama_cpp.setup(args.llama_dir)}")
         return
-    args.llama_server = args.llama_server or llama_server_path(args.llama_dir)
+    args.llama_server = args.llama_server or llama_cpp.server_path(args.llama_dir)
     names = [s.strip() for s in args.servers.split(",") if s.strip()]
     if sorted(set(names) - set(SERVERS)):
         parser.error(f"unknown servers; known: {list(SERVERS)}")

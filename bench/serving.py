@@ -50,7 +50,8 @@ DEFAULT_PEERS_VENV = Path(tempfile.gettempdir()) / "pagedllm-peers"
 DEFAULT_VLLM_VENV = Path(tempfile.gettempdir()) / "pagedllm-vllm"
 # The peers' venv installs the versions of the lock (requirements/peers.txt, `make lock`).
 LOCK = REPO / "requirements"
-SERVERS = ("pagedllm", "vllm", "transformers")
+# pagedllm-float32: ours in float32 whatever --dtype, beside a bfloat16 run of ours.
+SERVERS = ("pagedllm", "pagedllm-float32", "vllm", "transformers")
 TARGET_CONCURRENCY = 20
 TARGET_THROUGHPUT = 3.0
 TARGET_VS_VLLM = 1.2
@@ -190,6 +191,21 @@ def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[st
             ),
             env,
             args.port,
+            model,
+        ),
+        "pagedllm-float32": Server(
+            "pagedllm-float32",
+            pagedllm_serve_command(
+                model,
+                args.port + 3,
+                "float32",
+                args.kv_cache_memory,
+                max_len,
+                "--max-num-seqs",
+                str(max(256, max(args.concurrencies))),
+            ),
+            env,
+            args.port + 3,
             model,
         ),
         "vllm": Server(
@@ -561,7 +577,10 @@ def main() -> None:
         help="weights and activations of both servers",
     )
     parser.add_argument(
-        "--port", type=int, default=8811, help="PagedLLM's; transformers' + 1, vLLM's + 2"
+        "--port",
+        type=int,
+        default=8811,
+        help="PagedLLM's; transformers' + 1, vLLM's + 2, PagedLLM float32's + 3",
     )
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--load-generator", choices=sorted(LOAD_GENERATORS), default="guidellm")
@@ -671,6 +690,16 @@ def main() -> None:
         ),
     ]
     targets += vllm_targets(at)
+    if args.dtype == "bfloat16":
+        bf16, f32 = at("pagedllm", 1), at("pagedllm-float32", 1)
+        targets.append(
+            common.Target(
+                "our bfloat16 single stream over our float32 one (output tokens/s)",
+                bf16["output_tokens_per_s"] / f32["output_tokens_per_s"] if bf16 and f32 else None,
+                1.0,
+                unit="×",
+            )
+        )
     common.print_targets(targets)
     data = {
         "benchmark": "serving",

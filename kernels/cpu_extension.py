@@ -75,7 +75,8 @@ def has_avx512() -> bool:
 def compiler_flags() -> list[str]:
     """-O3 and the x86-64 level the CPU has: v4 (AVX-512) or v3 (AVX2 and FMA), both portable
     across a generation of servers, unlike -march=native; with AVX-512 VNNI, the quantized
-    matmul's integer products; with AVX-512 BF16, its bfloat16 GEMM at prompt row counts."""
+    matmul's integer products; with AVX-512 BF16, its bfloat16 GEMM at prompt row counts and
+    the panels' vdpbf16ps products; with AMX too, the panels' tiles at prompt row counts."""
     flags = ["-O3", "-fopenmp", "-fopenmp-simd"]
     cpu = cpu_flags()
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -86,6 +87,8 @@ def compiler_flags() -> list[str]:
             flags.append("-mavx512vnni")
         if "avx512_bf16" in cpu:
             flags.append("-mavx512bf16")
+            if {"amx_tile", "amx_bf16"} <= cpu:
+                flags += ["-mamx-tile", "-mamx-bf16"]
     elif {"avx2", "fma", "bmi2", "f16c"} <= cpu:
         flags.append("-march=x86-64-v3")
     return flags

@@ -23,6 +23,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PAGEDLLM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -171,6 +176,111 @@ void tile_bf16(const void* xv, int64_t k_total, const void* weight, const float*
 }
 #endif
 
+#if defined(PAGEDLLM_AMX)
+// AMX tiles for prompt-sized row counts: the packed bfloat16 panel is already the B operand's
+// layout (16 steps of a pair of features x 16 outputs, 64 bytes a step), so a tile of 16 steps
+// loads straight from it; x's rows are the A operand, 16 rows x 32 features a tile. Per pair of
+// panels and block of 16 rows: two accumulators (one per panel), one A tile, two B tiles.
+constexpr int64_t kAmxRows = 16;      // rows of an A or C tile
+constexpr int64_t kAmxFeatures = 32;  // bfloat16 features of an A tile row: 64 bytes
+// Below this row count the vdpbf16ps tiles stream the weights as fast and waste no products
+// on rows padded to 16.
+constexpr int64_t kAmxMinRows = 32;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a process the AMX tile state only when asked (else its first tile instruction
+// dies of SIGILL); asked once, the answer kept.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr int kArchReqXcompPerm = 0x1023;
+    constexpr int kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 5; ++t) {  // 0, 1: C (float32); 2: A; 3, 4: B; all 16 rows x 64 bytes
+    config.rows[t] = kAmxRows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// One pair of panels over a block of 16 rows of x (bfloat16, row-major, k_total a multiple of
+// 32); the float32 sums land in `sums` [16, 32] for the caller to finish.
+inline void amx_block(const c10::BFloat16* x, int64_t k_total, const char* pair, float* sums) {
+  const int64_t x_stride = k_total * 2;
+  const char* panel0 = pair;
+  const char* panel1 = pair + k_total * kPanel * 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t k = 0; k < k_total; k += kAmxFeatures) {
+    const int64_t step = k / 2;  // 16 steps of 64 bytes from here
+    _tile_loadd(2, x + k, x_stride);
+    _tile_loadd(3, panel0 + step * 64, 64);
+    _tile_loadd(4, panel1 + step * 64, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  _tile_stored(0, sums, 2 * kPanel * sizeof(float));
+  _tile_stored(1, sums + kPanel, 2 * kPanel * sizeof(float));
+}
+
+// The whole matmul in AMX tiles: x's rows padded with zeros to whole blocks of 16, each thread
+// configuring its own tiles (the configuration is per thread), the sums finished with the bias
+// and rounded to bfloat16 by the same store as the other tiles.
+void amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                const float* bias, at::Tensor& out) {
+  const int64_t rows = x.size(0), k_total = x.size(1);
+  const int64_t blocks = (rows + kAmxRows - 1) / kAmxRows;
+  at::Tensor padded = x;
+  if (blocks * kAmxRows != rows) {
+    padded = at::zeros({blocks * kAmxRows, k_total}, x.options());
+    padded.narrow(0, 0, rows).copy_(x);
+  }
+  const auto* xs = padded.data_ptr<c10::BFloat16>();
+  const auto* w = static_cast<const char*>(packed.data_ptr());
+  auto* o = out.data_ptr<c10::BFloat16>();
+  const int64_t pairs = packed.size(0) / 2;
+  const int64_t pair_bytes = 2 * k_total * kPanel * 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float sums[kAmxRows * 2 * kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t col = p * 2 * kPanel;
+      const int valid = static_cast<int>(std::min<int64_t>(2 * kPanel, out_features - col));
+      const __mmask16 lo = low_mask(valid), hi = low_mask(valid - 16);
+      __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+      if (bias != nullptr) {
+        b0 = _mm512_maskz_loadu_ps(lo, bias + col);
+        b1 = _mm512_maskz_loadu_ps(hi, bias + col + kPanel);
+      }
+      for (int64_t block = 0; block < blocks; ++block) {
+        amx_block(xs + block * kAmxRows * k_total, k_total, w + p * pair_bytes, sums);
+        const int64_t first = block * kAmxRows;
+        const int64_t count = std::min<int64_t>(kAmxRows, rows - first);
+        for (int64_t m = 0; m < count; ++m) {
+          c10::BFloat16* row = o + (first + m) * out_features + col;
+          const float* sum = sums + m * 2 * kPanel;
+          store(row, lo, _mm512_add_ps(_mm512_load_ps(sum), b0));
+          store(row + kPanel, hi, _mm512_add_ps(_mm512_load_ps(sum + kPanel), b1));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 using Tile = void (*)(const void*, int64_t, const void*, const float*, int, void*, int64_t);
 
 template <int R>
@@ -218,6 +328,14 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
   at::Tensor rows_in = x.reshape({-1, k_total}).contiguous();
   const int64_t rows = rows_in.size(0);
   if (rows == 0) return out;
+#if defined(PAGEDLLM_AMX)
+  if (bf16 && rows >= kAmxMinRows && k_total % kAmxFeatures == 0 && amx_permitted()) {
+    const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
+    amx_linear(rows_in, packed, out_features,
+               bias.has_value() ? bias_f32.data_ptr<float>() : nullptr, out);
+    return out;
+  }
+#endif
 #if defined(__AVX512F__)
 #if !defined(__AVX512BF16__)
   if (bf16) rows_in = rows_in.to(at::kFloat);  // widened once, exactly

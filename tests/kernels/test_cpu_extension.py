@@ -77,6 +77,10 @@ ISA_PATHS = {
         ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],
         {"panel_linear_cpu.cpp": "vdpbf16ps", "quant_linear_cpu.cpp": "vcvtne2ps2bf16"},
     ),
+    "amx_bf16": (
+        ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+        {"panel_linear_cpu.cpp": "tdpbf16ps"},
+    ),
 }
 
 

@@ -231,3 +231,26 @@ def test_bfloat16_panels_take_vdpbf16ps_products_where_the_cpu_has_them() -> Non
         x = torch.randn(rows, 576, dtype=torch.bfloat16)
         want = float32_product(x, weight, None)
         torch.testing.assert_close(cpu_linear.linear(x, packed, None), want, atol=0, rtol=2**-7)
+
+
+@pytest.mark.skipif(
+    not PANELS or not {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_extension.cpu_flags(),
+    reason="this CPU has no AMX-BF16: its tile path is compiled "
+    "(tests/kernels/test_cpu_extension.py) but run only on CPUs that have it",
+)
+@pytest.mark.parametrize("out_features", [40, 97, 576])
+def test_bfloat16_panels_take_amx_tiles_at_prompt_row_counts(out_features: int) -> None:
+    assert "-mamx-bf16" in cpu_extension.compiler_flags()
+    torch.manual_seed(out_features)
+    weight = torch.randn(out_features, 576, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16)
+    packed = cpu_linear.pack(weight)
+    # From the smallest row count the tiles take, whole and partial blocks of 16 rows.
+    for rows in (32, 33, 47, 64, 300):
+        x = torch.randn(rows, 576, dtype=torch.bfloat16)
+        for b in (bias, None):
+            want = float32_product(x, weight, b)
+            ours = cpu_linear.linear(x, packed, b)
+            # The tiles sum in their own order: sums that cancel to near zero (values here
+            # are about 24 in size) may differ by more than their own last bit.
+            torch.testing.assert_close(ours, want, atol=2**-5, rtol=2**-7)
