@@ -97,6 +97,10 @@ def vllm_env(threads: int, kv_cache_bytes: int) -> dict[str, str]:
         VLLM_CPU_KVCACHE_SPACE=str(max(1, -(-kv_cache_bytes // 2**30))),
         VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
         VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        # The benchmarks pause a peer (SIGSTOP) while another engine is measured; a wait of
+        # vLLM's engine for its worker counts that wall time and gave up after its default 5
+        # minutes, killing the engine.
+        VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=str(24 * 3600),
     )
     return env
 
