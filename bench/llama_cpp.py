@@ -58,16 +58,18 @@ def setup(directory: Path) -> Path:
     return binary
 
 
-def bf16_gguf(hf_dir: Path, directory: Path) -> Path:
+def bf16_gguf(hf_dir: Path, directory: Path, python: Path) -> Path:
     """A bfloat16 GGUF file of the Hugging Face directory ``hf_dir``, written once beside the
-    build by the converter of the same llama.cpp tree (its own ``gguf-py`` first on its path)."""
+    build by the converter of the same llama.cpp tree (its own ``gguf-py`` first on its path),
+    run by ``python``: one with transformers, torch and sentencepiece, as the vLLM peers' venv
+    has (the project's own lacks sentencepiece, which the converter imports)."""
     target = directory / f"{hf_dir.name}-bf16.gguf"
     if target.exists():
         return target
     partial = target.with_suffix(".partial")
     subprocess.run(
         [
-            sys.executable,
+            str(python),
             str(source_dir(directory) / "convert_hf_to_gguf.py"),
             str(hf_dir),
             "--outtype",
@@ -75,6 +77,7 @@ def bf16_gguf(hf_dir: Path, directory: Path) -> Path:
             "--outfile",
             str(partial),
         ],
+        cwd=directory,  # not the repository: its operator/ folder would shadow the stdlib's
         check=True,
     )
     partial.rename(target)

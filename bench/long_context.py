@@ -394,7 +394,8 @@ def main() -> None:
         capacity = {row["kv"]: row["kv_tokens"] for row in saved["table"]}
         report(args, labels, runs, capacity, saved.get("quality", {}), saved["machine"])
         return
-    if "vllm" in peers and not (args.vllm_venv / "bin" / "python").exists():
+    # The vLLM venv runs vLLM and llama.cpp's converter to a bfloat16 GGUF file.
+    if peers and not (args.vllm_venv / "bin" / "python").exists():
         parser.error(
             f"no vLLM venv at {args.vllm_venv}: run `python bench/serving.py --setup-peers`"
         )
@@ -435,7 +436,7 @@ def start_engines(
             engines.append(vllm_engine(args, kv, workdir))
     if "llama.cpp" in peers:
         hf_dir = common.hf_model_dir(common.resolve_model(args.model))
-        gguf = llama_cpp.bf16_gguf(hf_dir, args.llama_dir)
+        gguf = llama_cpp.bf16_gguf(hf_dir, args.llama_dir, args.vllm_venv / "bin" / "python")
         for cache in LLAMA_CACHES:
             engines.append(llama_engine(args, cache, gguf, workdir))
     for engine in engines:
