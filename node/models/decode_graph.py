@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.kernels import cpu_extension, cpu_ops
-from pagedllm.worker.attention_metadata import AttentionMetadata
+from pagedllm.models.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from pagedllm.models.layers import PackableLinear
