@@ -13,15 +13,8 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-# The one rule from a folder to its import path (pyproject's package-dir).
-PACKAGE_OF_FOLDER = {
-    "node": "pagedllm",
-    "kernels": "pagedllm.kernels",
-    "operator": "pagedllm.operator",
-}
+from pagedllm_testing.layout import module_of, source_files
 
 # Bottom first.
 LAYERS: tuple[tuple[str, ...], ...] = (
@@ -63,24 +56,9 @@ class Edge:
     line: int
 
 
-def module_name(path: Path) -> tuple[str, bool]:
-    """``node/core/scheduler.py`` -> (``pagedllm.core.scheduler``, False); a package's
-    ``__init__.py`` -> (its name, True)."""
-    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
-    parts = [PACKAGE_OF_FOLDER[folder], *rest]
-    if parts[-1] == "__init__":
-        return ".".join(parts[:-1]), True
-    return ".".join(parts), False
-
-
 def project_sources() -> dict[str, tuple[str, bool]]:
     """Every module of the project: its name -> (its source, whether it is a package)."""
-    found = {}
-    for folder in PACKAGE_OF_FOLDER:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            name, is_package = module_name(path)
-            found[name] = (path.read_text(), is_package)
-    return found
+    return {module_of(p): (p.read_text(), p.name == "__init__.py") for p in source_files()}
 
 
 def import_edges(sources: dict[str, tuple[str, bool]]) -> list[Edge]:
