@@ -38,27 +38,13 @@ def test_the_offline_example_generates_from_the_repository_root() -> None:
     assert count == "4"
 
 
+PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider")
+
+
 def test_python_m_pytest_collects_and_runs_the_models_tests_from_the_repository_root() -> None:
-    collected = run_from_root(
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--collect-only",
-        "tests/models",
-        timeout=300,
-    )
+    collected = run_from_root(*PYTEST, "--collect-only", "tests/models", timeout=300)
     assert collected.returncode == 0, collected.stdout + collected.stderr
     assert "tests/models/test_smollm2.py" in collected.stdout
-    ran = run_from_root(
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "tests/models/test_quantized.py",
-        timeout=300,
-    )
+    ran = run_from_root(*PYTEST, "tests/models/test_quantized.py", timeout=300)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert " passed" in ran.stdout
