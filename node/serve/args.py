@@ -75,7 +75,7 @@ class ServeArgs:
     # --allow-runtime-lora-updating (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): the load and
     # unload endpoints.
     runtime_lora_updates: bool = False
-    # --lora-modules-file: the watched list of adapters (absolute), see serve.adapter_file.
+    # --lora-modules-file: the watched list of adapters (absolute), see runtime.adapter_file.
     lora_modules_file: str | None = None
 
 
