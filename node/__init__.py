@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagedllm.version import __version__ as __version__
+
 __all__ = [
     "LLM",
     "SamplingParams",
@@ -15,7 +17,6 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
 ]
-__version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from pagedllm.llm import LLM

@@ -9,13 +9,8 @@ from typing import Any
 from pagedllm.core.scheduler import SchedulerConfig
 from pagedllm.core.speculative import SpeculativeConfig, parse_speculative_config
 from pagedllm.kernels import BACKENDS
+from pagedllm.models import DTYPE_CHOICES, QUANTIZATION_CHOICES
 
-# The weight and activation dtypes a model can be served in; "auto" takes the checkpoint's.
-DTYPES = ("float32", "float16", "bfloat16")
-DTYPE_CHOICES = ("auto", *DTYPES)
-# How weights are held (pagedllm.models.quantized): None keeps a GGUF file's quantized tensors
-# quantized, and every other weight in the dtype.
-QUANTIZATION_CHOICES = ("gguf", "int8", "none")
 # The KV cache's element (vLLM's names): "auto" keeps the model's dtype; the 8-bit ones hold
 # about twice a bfloat16 cache's tokens in the same memory. "fp8" is "fp8_e4m3";
 # "int8_per_token_head" keeps int8 values with a scale per token and KV head (CPU backend).

@@ -8,8 +8,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.lora_request import LoRARequest
 from pagedllm.llm_engine import LLMEngine
-from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 

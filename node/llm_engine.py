@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.config import EngineConfig, resolve_model_dir, scheduler_config
+from pagedllm.core.lora_request import LoRARequest
 from pagedllm.core.reporting import SchedulerStats
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import GrammarRef
-from pagedllm.lora.request import LoRARequest
 from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.output.bad_words import bad_words_token_ids
 from pagedllm.output.processor import RequestOutputState

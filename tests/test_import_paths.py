@@ -75,8 +75,8 @@ def test_the_project_is_imported_as_installed() -> None:
     import pagedllm_testing
 
     assert Path(pagedllm.__file__).parent == REPO / "node"
-    assert Path(pagedllm.kernels.__file__).parent == REPO / "kernels"
-    assert Path(pagedllm.operator.__file__).parent == REPO / "operator"
+    assert Path(pagedllm.kernels.__file__).parent == REPO / "kernels" / "src"
+    assert Path(pagedllm.operator.__file__).parent == REPO / "operator" / "src"
     assert Path(pagedllm_testing.__file__).parent == REPO / "testing" / "pagedllm_testing"
 
 

@@ -7,7 +7,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from pagedllm_testing.layout import REPO as ROOT
+from pagedllm_testing.layout import module_of, source_files
 
 
 def run_in_root(code: str) -> str:
@@ -26,29 +27,9 @@ def test_operator_package_and_stdlib_operator_coexist_from_the_repository_root()
     )
     std_file, ours_file, item, torch_loaded = out.splitlines()
     assert Path(std_file).parent != ROOT / "operator" and Path(std_file).name == "operator.py"
-    assert Path(ours_file) == ROOT / "operator" / "__init__.py"
+    assert Path(ours_file) == ROOT / "operator" / "src" / "__init__.py"
     assert item == "6"
     assert torch_loaded == "False"  # the operator stays light
-
-
-# The one rule from a file to its import path (pyproject's package-dir, stated in
-# docs/contributing.md).
-PACKAGE_OF_FOLDER = {
-    "node": "pagedllm",
-    "kernels": "pagedllm.kernels",
-    "operator": "pagedllm.operator",
-}
-
-
-def module_of(path: Path) -> str:
-    """``node/core/scheduler.py`` -> ``pagedllm.core.scheduler``, by the rule above."""
-    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
-    parts = [PACKAGE_OF_FOLDER[folder], *rest]
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def source_files() -> list[Path]:
-    return sorted(p for folder in PACKAGE_OF_FOLDER for p in (ROOT / folder).rglob("*.py"))
 
 
 def test_every_source_file_imports_under_the_path_the_rule_gives_it():
@@ -61,6 +42,7 @@ def test_every_source_file_imports_under_the_path_the_rule_gives_it():
     found = dict(line.split(" ", 1) for line in out.splitlines())
     assert {name: Path(origin) for name, origin in found.items()} == modules
     assert module_of(ROOT / "node" / "core" / "scheduler.py") == "pagedllm.core.scheduler"
+    assert module_of(ROOT / "kernels" / "src" / "cpu_ops.py") == "pagedllm.kernels.cpu_ops"
 
 
 def test_the_public_surface_stays_at_the_top():

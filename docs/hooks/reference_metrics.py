@@ -16,7 +16,7 @@ from reference_tables import anchored, cell, table
 REPO = Path(__file__).resolve().parents[2]
 # The process that exports a module's metrics, and the module.
 SOURCES = {
-    "node": REPO / "node" / "serve" / "metrics.py",
+    "node": REPO / "node" / "runtime" / "metrics.py",
     "router": REPO / "node" / "router" / "metrics.py",
 }
 TYPES = {
@@ -164,7 +164,7 @@ def page() -> str:
         "# Metrics",
         "",
         "Every metric a node and a router export on `GET /metrics`, generated when the site "
-        "is built from their definitions (`node/serve/metrics.py`, `node/router/metrics.py`); "
+        "is built from their definitions (`node/runtime/metrics.py`, `node/router/metrics.py`); "
         "a test checks the list against a live node, speculating, and a router. The node's "
         "use vLLM's names, so dashboards and autoscalers made for vLLM work; ours are named "
         "`pagedllm:*`. A node labels every series `model_name`. The router's counters and "

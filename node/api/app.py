@@ -20,7 +20,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedllm import __version__
 from pagedllm.api import kv_page
 from pagedllm.api.engine_client import NodeState
 from pagedllm.api.errors import ApiError, error_response, invalid_request, unavailable
@@ -44,7 +43,8 @@ from pagedllm.api.serving import GenerationRun, ServingContext, from_generation_
 from pagedllm.api.serving_chat import prepare_chat
 from pagedllm.api.serving_completions import prepare_completion
 from pagedllm.api.tokenizing import TokenizingContext
-from pagedllm.serve import metrics
+from pagedllm.runtime import metrics
+from pagedllm.version import __version__
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ import zmq.asyncio
 from pagedllm.api.kv_events import KVEventFeed
 from pagedllm.api.kv_map import KVMapView
 from pagedllm.core.kv_map import KVMap
+from pagedllm.core.lora_request import LoRARequest
 from pagedllm.ipc import sockets
 from pagedllm.ipc.messages import (
     AbortRequest,
@@ -45,7 +46,6 @@ from pagedllm.ipc.messages import (
     UnloadLoRAAdapter,
     WatchKVMap,
 )
-from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

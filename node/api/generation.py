@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.api.engine_client import EngineClient
+from pagedllm.core.lora_request import LoRARequest
 from pagedllm.core.request_delta import RequestDelta
 from pagedllm.ipc.messages import DrainDeadline, NodeFailed, RequestRejected
-from pagedllm.lora.request import LoRARequest
 from pagedllm.output.processor import RequestOutputState, TextDelta
 from pagedllm.outputs import RequestOutput
+from pagedllm.runtime.metrics import RequestRecorder
+from pagedllm.runtime.tracing import RequestTrace
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.serve.metrics import RequestRecorder
-from pagedllm.serve.tracing import RequestTrace
 
 # (prompt index, what its sequences added in one step)
 Step = tuple[int, list[TextDelta]]

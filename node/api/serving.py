@@ -25,8 +25,8 @@ from pagedllm.api.tokenizing import TokenizingContext, encode_text
 from pagedllm.output.bad_words import bad_words_token_ids
 from pagedllm.output.processor import TextDelta
 from pagedllm.outputs import CompletionOutput
+from pagedllm.runtime.metrics import RequestRecorder
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedllm.serve.metrics import RequestRecorder
 
 # Re-exported: the API server's modules and tests import them from here.
 __all__ = ["ApiError", "ServingContext", "encode_text"]

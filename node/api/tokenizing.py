@@ -31,7 +31,7 @@ from pagedllm.api.protocol import (
     CompletionRequest,
     TokenizeChatRequest,
 )
-from pagedllm.lora.request import LoRARequest
+from pagedllm.core.lora_request import LoRARequest
 
 # Threads that tokenize and render chat templates, off the event loop (the tokenizers library
 # releases the GIL while it encodes). Large texts get half the CPUs, so that tokenizing them

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagedllm.lora.request import LoRARequest
+from pagedllm.core.lora_request import LoRARequest
 
 AdapterKey = tuple[str, str]  # LoRARequest.key: (name, directory)
 

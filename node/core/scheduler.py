@@ -21,6 +21,7 @@ from pagedllm.core.adapter_lru import AdapterLRU
 from pagedllm.core.beam_search import BeamSearch
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.kv_map import waste_fraction
+from pagedllm.core.lora_request import LoRARequest
 from pagedllm.core.ngram_proposer import propose
 from pagedllm.core.reporting import SchedulerStats, SpecDecodeStats
 from pagedllm.core.request_delta import RequestDelta, RequestTimings
@@ -28,7 +29,6 @@ from pagedllm.core.sequence import FinishReason, GrammarRef, Request, Sequence, 
 from pagedllm.core.speculative import SpeculativeConfig
 from pagedllm.core.step_plan import LAST_SAMPLE, PromptLogprobs, SeqSample, StepPlan, StepResult
 from pagedllm.core.worker_view import WorkerView
-from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams, derive_seed
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pagedllm.core.lora_request import LoRARequest
 from pagedllm.core.request_delta import RequestTimings
-from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.lora.request import LoRARequest
+from pagedllm.core.lora_request import LoRARequest
 
 
 @dataclass

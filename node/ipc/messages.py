@@ -32,11 +32,11 @@ import msgpack
 
 from pagedllm.core.kv_events import AdapterState, KVUpdate, NodeLoad
 from pagedllm.core.kv_map import KVMap
+from pagedllm.core.lora_request import LoRARequest
 from pagedllm.core.request_delta import RequestDelta
 from pagedllm.core.step_plan import StepPlan, StepResult
 from pagedllm.ipc.codec import WireError, decoder, encoder
 from pagedllm.ipc.step_codec import decode_plan, decode_result, encode_plan, encode_result
-from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 

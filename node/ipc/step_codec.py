@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.core.lora_request import LoRARequest
 from pagedllm.core.step_plan import (
     NewSequence,
     PromptLogprobs,
@@ -21,7 +22,6 @@ from pagedllm.core.step_plan import (
     StepResult,
 )
 from pagedllm.ipc.codec import WireError, decoder, encoder
-from pagedllm.lora.request import LoRARequest
 
 _I8 = np.dtype("<i8")
 _F8 = np.dtype("<f8")

@@ -10,10 +10,10 @@ import re
 import torch
 from torch import nn
 
+from pagedllm.core.lora_request import LoRARequest, adapter_plan_problem
 from pagedllm.lora.adapter import LoRAWeights, load_adapter
 from pagedllm.lora.layers import LoRAContext, LoRALinear
 from pagedllm.lora.peft_files import AdapterFiles, check_adapter
-from pagedllm.lora.request import LoRARequest, adapter_plan_problem
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,13 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
 )
 
+# The weight and activation dtypes a model can be served in; "auto" takes the checkpoint's.
+DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_CHOICES = ("auto", *DTYPES)
+# How weights are held (pagedllm.models.quantized): None keeps a GGUF file's quantized tensors
+# quantized, and every other weight in the dtype.
+QUANTIZATION_CHOICES = ("gguf", "int8", "none")
+
 
 class ModelLoadError(ValueError):
     """A model directory that cannot be served; the message says what is wrong."""

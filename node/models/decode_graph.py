@@ -4,7 +4,7 @@ In a decode step (one new token per sequence) each layer is the same dozen opera
 Python they are a dozen operator calls and as many module calls a layer. Run from C++ instead,
 a SmolLM2 step (30 layers) took 5-9 ms less, more than the interpreter's own ~1 ms: the
 operators themselves ran slower with Python between them. ``decode_layers``
-(``kernels/csrc/decode_graph_cpu.cpp``) runs every layer from C++ through the same ops, so
+(``kernels/src/csrc/decode_graph_cpu.cpp``) runs every layer from C++ through the same ops, so
 its results are the eager forward's. It is what vLLM's CPU backend gets from compiling its
 forward with ``torch.compile``, without a compile at start-up: the library is built with the
 other CPU kernels, once per machine.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.kernels import cpu_extension, cpu_ops
-from pagedllm.worker.attention_metadata import AttentionMetadata
+from pagedllm.models.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from pagedllm.models.layers import PackableLinear

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pagedllm.models.attention_metadata import AttentionMetadata
 from pagedllm.models.layers import (
     ColumnParallelLinear,
     GatedMLP,
@@ -22,7 +23,6 @@ from pagedllm.models.layers import (
     RowParallelLinear,
     VocabEmbedding,
 )
-from pagedllm.worker.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from pagedllm.models.config import ModelConfig

@@ -20,9 +20,15 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pagedllm.config import DTYPE_CHOICES, DTYPES, QUANTIZATION_CHOICES
 from pagedllm.kernels import kernel_ops
-from pagedllm.models import SUPPORTED_ARCHITECTURES, ModelLoadError, cpu_linear
+from pagedllm.models import (
+    DTYPE_CHOICES,
+    DTYPES,
+    QUANTIZATION_CHOICES,
+    SUPPORTED_ARCHITECTURES,
+    ModelLoadError,
+    cpu_linear,
+)
 from pagedllm.models.config import ModelConfig, read_model_config
 from pagedllm.models.gguf import FLOAT_TENSOR_TYPES
 from pagedllm.models.gguf_weights import GGUFCheckpoint

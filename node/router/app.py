@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp
 
-from pagedllm import __version__
 from pagedllm.api.app import (
     add_error_handlers,
     add_tokenize_routes,
@@ -26,6 +25,7 @@ from pagedllm.api.app import (
 from pagedllm.api.protocol import error_body
 from pagedllm.router.front import ForwardingFront
 from pagedllm.router.state import RouterState
+from pagedllm.version import __version__
 
 # How long /v1/models waits for a backend's own list before answering from the flags.
 MODELS_TIMEOUT_S = 2.0

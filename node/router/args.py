@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from pagedllm.api.chat_settings import ChatSettings, chat_template_arg
 from pagedllm.router.policy import Policy
 from pagedllm.router.routing import RoutingSettings
-from pagedllm.serve.args import (
+from pagedllm.runtime.flags import (
     API_KEY_ENV,
     LOG_LEVELS,
     non_negative_float,

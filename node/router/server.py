@@ -17,7 +17,6 @@ import aiohttp
 import uvicorn
 
 from pagedllm.api import event_loop
-from pagedllm.api.server import forbid_torch
 from pagedllm.api.token_bytes import max_token_bytes
 from pagedllm.api.tokenizing import TokenizingContext
 from pagedllm.models import ModelLoadError
@@ -30,7 +29,7 @@ from pagedllm.router.metrics import RouterMetrics
 from pagedllm.router.proxy import Forwarder
 from pagedllm.router.routing import Router
 from pagedllm.router.state import RouterState
-from pagedllm.serve.child_process import LOG_FORMAT
+from pagedllm.runtime.child_process import LOG_FORMAT, forbid_torch
 
 if TYPE_CHECKING:
     from pagedllm.router.waker import Waker

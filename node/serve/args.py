@@ -25,15 +25,22 @@ from pagedllm.config import (
 )
 from pagedllm.kernels import BACKENDS
 from pagedllm.models.named import NAMED_MODELS
+from pagedllm.runtime.flags import (
+    API_KEY_ENV,
+    LOG_LEVELS,
+    integer,
+    non_negative_float,
+    port_number,
+    positive_float,
+    positive_int,
+)
 
 if TYPE_CHECKING:
     from pagedllm.lora.peft_files import Shapes
     from pagedllm.models.config import ModelConfig
 
-API_KEY_ENV = "PAGEDLLM_API_KEY"
 DEMO_MODEL_NAME = "pagedllm-demo"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # 0: the front processes keep the workers' priority (see --api-server-nice).
 DEFAULT_API_SERVER_NICE = 0
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -68,39 +75,18 @@ class ServeArgs:
     # --allow-runtime-lora-updating (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): the load and
     # unload endpoints.
     runtime_lora_updates: bool = False
-    # --lora-modules-file: the watched list of adapters (absolute), see serve.adapter_file.
+    # --lora-modules-file: the watched list of adapters (absolute), see runtime.adapter_file.
     lora_modules_file: str | None = None
 
 
-def _integer(text: str, expected: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-
-
 def otlp_endpoint(text: str) -> str:
-    from pagedllm.serve.tracing import traces_url
+    from pagedllm.runtime.tracing import traces_url
 
     try:
         traces_url(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text.strip()
-
-
-def positive_int(text: str) -> int:
-    value = _integer(text, "a positive integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = _integer(text, "an integer >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def sample_count(text: str) -> int:
@@ -111,33 +97,9 @@ def sample_count(text: str) -> int:
 
 
 def niceness(text: str) -> int:
-    value = _integer(text, "an integer")
+    value = integer(text, "an integer")
     if not 0 <= value <= 19:
         raise argparse.ArgumentTypeError(f"a niceness is between 0 and 19, got {value}")
-    return value
-
-
-def port_number(text: str) -> int:
-    value = positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
     return value
 
 
@@ -543,7 +505,7 @@ def lora_modules_file_checked(
         return None
     if not ns.enable_lora:
         parser.error("--lora-modules-file needs --enable-lora")
-    from pagedllm.serve.adapter_file import AdapterFileError, read_adapter_file
+    from pagedllm.runtime.adapter_file import AdapterFileError, read_adapter_file
 
     path = os.path.abspath(os.path.expanduser(ns.lora_modules_file))
     try:

@@ -54,12 +54,12 @@ from pagedllm.ipc.messages import (
 )
 from pagedllm.lora.peft_files import Shapes
 from pagedllm.models.tokenizer import load_tokenizer
-from pagedllm.serve.child_process import setup_child
+from pagedllm.runtime.child_process import setup_child
+from pagedllm.runtime.metrics import SchedulerMetrics
 from pagedllm.serve.grammar_intake import Compiled, GrammarIntake
 from pagedllm.serve.kv_event_sender import HEARTBEAT_S, KVEventSender
 from pagedllm.serve.kv_map_sender import KVMapSender
 from pagedllm.serve.lora_registry import LoRARegistry
-from pagedllm.serve.metrics import SchedulerMetrics
 from pagedllm.structured.compiler import GrammarCompiler, tokenizer_info
 
 log = logging.getLogger(__name__)

@@ -4,9 +4,10 @@ Start-up: the supervisor checks the model and its tokenizer before anything star
 forks the workers and the scheduler, which inherit torch instead of each importing it again.
 It forks before it starts any thread (ZeroMQ's included), so the children begin clean; should
 CUDA already be initialized in the supervisor, they are spawned instead. The API servers,
-which never need torch, start as fresh interpreters (``python -m pagedllm.api.server``), so
-that they hold none of it. Each child reports ready on the supervisor's inbox; when all have,
-the API servers admit requests (until then /health answers 503).
+which never need torch, start as fresh interpreters
+(``python -m pagedllm.serve.api_server_process``), so that they hold none of it. Each child
+reports ready on the supervisor's inbox; when all have, the API servers admit requests (until
+then /health answers 503).
 
 If any process dies, the node cannot go on (a missing rank stalls every step; a missing
 scheduler answers nothing): the API servers are told to fail their in-flight requests with a
@@ -36,7 +37,6 @@ from typing import Any, NoReturn, Protocol
 import torch
 import zmq
 
-from pagedllm.api.server import ApiServerSpec, encode_spec
 from pagedllm.ipc import sockets
 from pagedllm.ipc.messages import (
     ApiServerIdle,
@@ -48,9 +48,10 @@ from pagedllm.ipc.messages import (
 )
 from pagedllm.models import ModelLoadError
 from pagedllm.models.tokenizer import load_tokenizer
+from pagedllm.runtime.child_process import LOG_FORMAT
+from pagedllm.runtime.metrics import use_multiprocess_dir
+from pagedllm.serve.api_server_process import ApiServerSpec, encode_spec
 from pagedllm.serve.args import ServeArgs
-from pagedllm.serve.child_process import LOG_FORMAT
-from pagedllm.serve.metrics import use_multiprocess_dir
 from pagedllm.serve.scheduler_process import SchedulerSpec, run_scheduler
 from pagedllm.serve.worker_process import WorkerSpec, run_worker
 
@@ -89,11 +90,12 @@ class ChildProcess(Protocol):
 
 
 class ApiServerProcess:
-    """``python -m pagedllm.api.server``, its spec written to its stdin, watched as a Process."""
+    """``python -m pagedllm.serve.api_server_process``, its spec written to its stdin, watched
+    as a Process."""
 
     def __init__(self, spec: ApiServerSpec) -> None:
         self._popen = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.api.server"],
+            [sys.executable, "-m", "pagedllm.serve.api_server_process"],
             stdin=subprocess.PIPE,
             # Not the working directory first on sys.path: a folder there must not shadow a
             # module (Python 3.11+).

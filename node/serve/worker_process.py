@@ -21,7 +21,7 @@ from pagedllm.ipc import sockets
 from pagedllm.ipc.messages import ProcessReady, StepRefused, WorkerReady
 from pagedllm.models import cpu_linear
 from pagedllm.models.tokenizer import load_tokenizer
-from pagedllm.serve.child_process import setup_child
+from pagedllm.runtime.child_process import setup_child
 from pagedllm.worker.allocator import fix_mmap_threshold
 from pagedllm.worker.model_runner import ModelRunner, resolve_device
 from pagedllm.worker.plan_check import plan_problem

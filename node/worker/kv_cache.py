@@ -9,7 +9,7 @@ import torch
 from pagedllm.kernels import reference
 
 # The 8-bit cache elements by their vLLM names ("auto" is the model's dtype); int8 rows carry
-# their scales (kernels/reference.py).
+# their scales (kernels/src/reference.py).
 EIGHT_BIT_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,

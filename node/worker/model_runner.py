@@ -23,9 +23,9 @@ from pagedllm.core.step_plan import (
 from pagedllm.kernels import kernel_ops
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.models import decode_graph
+from pagedllm.models.attention_metadata import AttentionMetadata
 from pagedllm.models.loader import load_model
 from pagedllm.worker import kv_cache
-from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.sampler import SampleRow, sample
 from pagedllm.worker.spec_verify import verify
 

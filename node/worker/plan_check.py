@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping
 
+from pagedllm.core.lora_request import adapter_plan_problem
 from pagedllm.core.step_plan import LAST_SAMPLE, NewSequence, StepPlan
-from pagedllm.lora.request import adapter_plan_problem
 
 
 def plan_problem(

@@ -17,9 +17,9 @@ from transformers import (
 )
 
 from pagedllm.kernels import reference
+from pagedllm.models.attention_metadata import AttentionMetadata
 from pagedllm.models.llama import CausalLM
 from pagedllm.models.loader import load_model
-from pagedllm.worker.attention_metadata import AttentionMetadata
 
 VOCAB = 128
 

@@ -26,7 +26,7 @@ from pagedllm.api.serving import ServingContext
 from pagedllm.core.block_manager import root_hash
 from pagedllm.core.kv_events import FEED_VERSION, CacheEvent, NodeLoad, group_updates
 from pagedllm.ipc import messages, sockets
-from pagedllm.serve.metrics import RequestRecorder
+from pagedllm.runtime.metrics import RequestRecorder
 from pagedllm_testing.serve_harness import free_port
 
 LAYOUT = messages.CacheLayout(block_size=16, hash_seed=7, num_blocks=64)

@@ -10,11 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedllm.models import demo
+from pagedllm.models.attention_metadata import AttentionMetadata
 from pagedllm.models.config import read_model_config
 from pagedllm.models.demo import DEMO_MODEL_DIR_NAME, demo_model_dir, write_demo_model
 from pagedllm.models.loader import load_model
 from pagedllm.models.tokenizer import load_tokenizer
-from pagedllm.worker.attention_metadata import AttentionMetadata
 
 BLOCK_SIZE = 16
 

@@ -1,4 +1,4 @@
-"""Comparing a child the operator would apply with what is live (operator/drift.py)."""
+"""Comparing a child the operator would apply with what is live (operator/src/drift.py)."""
 
 from __future__ import annotations
 

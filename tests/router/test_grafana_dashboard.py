@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedllm.router.metrics import REJECTION_REASONS as ROUTER_REJECTIONS
 from pagedllm.router.metrics import UPSTREAM_ERROR_KINDS
 from pagedllm.router.policy import Reason
-from pagedllm.serve.metrics import FINISH_REASONS
-from pagedllm.serve.metrics import REJECTION_REASONS as NODE_REJECTIONS
+from pagedllm.runtime.metrics import FINISH_REASONS
+from pagedllm.runtime.metrics import REJECTION_REASONS as NODE_REJECTIONS
 from pagedllm_testing.cluster import binary
 from pagedllm_testing.router_harness import ready_backends, wait_for
 from pagedllm_testing.serve_harness import DEMO_MODEL, Server

@@ -140,7 +140,7 @@ def test_the_api_servers_never_load_torch(server: Server) -> None:
         assert [f for f in files if TORCH_LIBRARY.search(f) or f.startswith(torch_dir)] == []
         # A fresh interpreter, not a fork of the supervisor (which holds torch).
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            assert b"pagedllm.api.server" in cmdline.read()
+            assert b"pagedllm.serve.api_server_process" in cmdline.read()
 
 
 def test_malformed_messages_are_dropped_and_the_node_keeps_serving(server: Server) -> None:

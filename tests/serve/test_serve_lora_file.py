@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from pagedllm.serve.adapter_file import (
+from pagedllm.runtime.adapter_file import (
     AdapterEntry,
     AdapterFileError,
     AdapterFileWatcher,

@@ -11,9 +11,9 @@ import pytest
 
 from pagedllm.api.chat_settings import ChatSettings
 from pagedllm.api.limits import RequestLimits
-from pagedllm.api.server import ApiServerSpec, decode_spec, encode_spec
 from pagedllm.ipc.codec import WireError
 from pagedllm.ipc.sockets import IpcPaths
+from pagedllm.serve.api_server_process import ApiServerSpec, decode_spec, encode_spec
 
 SPEC = ApiServerSpec(
     index=1,
@@ -83,7 +83,7 @@ def test_a_malformed_spec_is_refused_by_name(data: bytes, message: str) -> None:
 
 def test_the_process_refuses_junk_on_stdin_and_exits_2() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pagedllm.api.server"],
+        [sys.executable, "-m", "pagedllm.serve.api_server_process"],
         input=b"junk",
         capture_output=True,
         timeout=60,

@@ -30,7 +30,7 @@ from pagedllm.core.sequence import FinishReason
 if TYPE_CHECKING:
     # Type-only: the API servers import this module and need no part of the scheduler.
     from pagedllm.core.reporting import SchedulerStats
-    from pagedllm.serve.tracing import RequestTrace, RequestTracer
+    from pagedllm.runtime.tracing import RequestTrace, RequestTracer
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LABEL = "model_name"

@@ -20,8 +20,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, set_span_in_context
 
-from pagedllm import __version__
 from pagedllm.core.request_delta import RequestTimings
+from pagedllm.version import __version__
 
 TRACES_PATH = "/v1/traces"
 # How long finished spans wait to be sent in one batch.

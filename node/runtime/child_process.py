@@ -53,3 +53,16 @@ def setup_child(name: str, log_level: str, supervisor_pid: int, ipc_dir: str) ->
     except ProcessLookupError:
         # The supervisor died before the death signal was armed.
         supervisor_gone(SUPERVISOR_GONE, None)
+
+
+def forbid_torch() -> None:
+    """Keep torch out of this process, which computes nothing: its libraries alone are some
+    170 MiB of resident memory.
+
+    transformers imports torch whenever it is installed, though a tokenizer asked for lists
+    never needs it; marked absent, torch is neither loaded by transformers nor by any stray
+    import (which fails at once instead).
+    """
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    # transformers' notice that it found no torch, which is on purpose here.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

@@ -1,8 +1,8 @@
 """An API server process (the tokenizer process): HTTP in, tokens to the scheduler, text out.
 
-The supervisor starts it as ``python -m pagedllm.api.server`` with its settings on stdin
-(msgpack, checked on the way in): a fresh interpreter rather than a fork of the supervisor,
-which holds torch. It loads its own tokenizer and never imports torch.
+The supervisor starts it as ``python -m pagedllm.serve.api_server_process`` with its settings
+on stdin (msgpack, checked on the way in): a fresh interpreter rather than a fork of the
+supervisor, which holds torch. It loads its own tokenizer and never imports torch.
 
 Several of them can share one port: each binds its own listening socket with SO_REUSEPORT
 and the kernel spreads connections among them.
@@ -31,14 +31,14 @@ from pagedllm.api.engine_client import EngineClient
 from pagedllm.api.limits import RequestLimits
 from pagedllm.api.serving import ServingContext
 from pagedllm.api.token_bytes import max_token_bytes
+from pagedllm.core.lora_request import LoRARequest
 from pagedllm.ipc import sockets
 from pagedllm.ipc.codec import WireError, decoder, encoder
-from pagedllm.lora.request import LoRARequest
 from pagedllm.models import ModelLoadError
 from pagedllm.models.tokenizer import load_tokenizer
-from pagedllm.serve.adapter_file import AdapterFileWatcher, Answer
-from pagedllm.serve.child_process import setup_child
-from pagedllm.serve.metrics import RequestRecorder
+from pagedllm.runtime.adapter_file import AdapterFileWatcher, Answer
+from pagedllm.runtime.child_process import forbid_torch, setup_child
+from pagedllm.runtime.metrics import RequestRecorder
 
 log = logging.getLogger(__name__)
 # Seconds the server gives open connections when told to stop (the supervisor drains first).
@@ -88,19 +88,6 @@ def decode_spec(data: bytes) -> ApiServerSpec:
         raise WireError(f"not msgpack: {error}") from None
     spec: ApiServerSpec = decoder(ApiServerSpec)(value)
     return spec
-
-
-def forbid_torch() -> None:
-    """Keep torch out of this process, which computes nothing: its libraries alone are some
-    170 MiB of resident memory.
-
-    transformers imports torch whenever it is installed, though a tokenizer asked for lists
-    never needs it; marked absent, torch is neither loaded by transformers nor by any stray
-    import (which fails at once instead).
-    """
-    sys.modules["torch"] = None  # type: ignore[assignment]
-    # transformers' notice that it found no torch, which is on purpose here.
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -166,7 +153,7 @@ def run_api_server(spec: ApiServerSpec) -> int:
 async def _serve(spec: ApiServerSpec, sock: socket.socket, tokenizer: Any) -> None:
     tracer = None
     if spec.otlp_traces_endpoint:
-        from pagedllm.serve.tracing import RequestTracer
+        from pagedllm.runtime.tracing import RequestTracer
 
         tracer = RequestTracer(spec.otlp_traces_endpoint)
     client = EngineClient(spec.ipc_paths, spec.index)
