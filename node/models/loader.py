@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from safetensors import safe_open
 
 from pagedllm.config import DTYPE_CHOICES, DTYPES, QUANTIZATION_CHOICES
 from pagedllm.kernels import kernel_ops
+from pagedllm.kernels.backend import KernelOps
 from pagedllm.models import SUPPORTED_ARCHITECTURES, ModelLoadError, cpu_linear
 from pagedllm.models.config import ModelConfig, read_model_config
 from pagedllm.models.gguf import FLOAT_TENSOR_TYPES
@@ -64,7 +64,7 @@ def load_model(
     model_dir: str | Path,
     dtype: str = "auto",
     device: str | torch.device = "cpu",
-    ops: ModuleType | None = None,
+    ops: KernelOps | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
     quantization: str | None = None,
@@ -140,7 +140,7 @@ def _keep_quantized(
     model: CausalLM,
     checkpoint: GGUFCheckpoint,
     config: ModelConfig,
-    ops: ModuleType,
+    ops: KernelOps,
     device: torch.device,
     tp_rank: int,
     tp_size: int,
@@ -203,7 +203,7 @@ def _read_quantized(
     return weight
 
 
-def _quantize_int8(model: CausalLM, ops: ModuleType) -> None:
+def _quantize_int8(model: CausalLM, ops: KernelOps) -> None:
     """Every linear layer's weight (the head's included) in int8 groups."""
     for name, module in model.named_modules():
         if not isinstance(module, PackableLinear) or module.quantized is not None:
