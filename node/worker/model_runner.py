@@ -313,6 +313,13 @@ class ModelRunner:
             self.last_samples[seq_id] = out.token_ids[0]
             result.samples.append(SeqSample(seq_id, out.token_ids, out.logprobs, out.top_logprobs))
 
+    def _add_prompt_logprobs(
+        self, hidden: torch.Tensor, prompt_rows: list[PromptRows], result: StepResult
+    ) -> None:
+        for rows in prompt_rows:
+            logits = self.model.compute_logits(hidden[rows.row : rows.row + rows.count])
+            result.prompt_logprobs.append(_prompt_logprobs(rows, logits))
+
     def _verify(self, hidden: torch.Tensor, verifying: list[Verifying], result: StepResult) -> None:
         rows = [r for v in verifying for r in range(v.first_row, v.first_row + len(v.draft) + 1)]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
