@@ -1,26 +1,30 @@
 """Paged-attention kernels: Triton on CUDA, a C++ decode kernel and torch on the CPU.
 
-``kernel_ops(backend)`` returns the module implementing ``paged_attention``, ``write_kv`` and
-``copy_blocks`` with the contract documented in :mod:`pagedllm.kernels.reference`, and the
-layers' elementwise work (``rms_norm``, ``add_rms_norm``, ``rotary_embedding``,
-``silu_and_mul``) with that of :mod:`pagedllm.kernels.layer_ops`, and the weight-only
-quantized matmul (``quant_linear``) with that of :mod:`pagedllm.kernels.quant_linear`.
-``backend`` is ``"auto"`` (Triton on CUDA, the CPU backend elsewhere), ``"cpu"`` (a C++
-decode kernel, see ``cpu_ops``), ``"torch"`` (the pure-torch reference) or ``"triton"`` (on
-the CPU the Triton interpreter is used, see ``triton_device``).
+``kernel_ops(backend)`` returns the backend, a module meeting
+:class:`pagedllm.kernels.backend.KernelOps` (paged attention, the KV write and block copy, the
+layers' elementwise work and the weight-only quantized matmul). ``backend`` is ``"auto"``
+(Triton on CUDA, the CPU backend elsewhere), ``"cpu"`` (a C++ decode kernel, see
+``cpu_ops``), ``"torch"`` (the pure-torch reference) or ``"triton"`` (on the CPU the Triton
+interpreter is used, see ``triton_device``).
 """
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
     import torch
 
+    from pagedllm.kernels import cpu_ops, reference, triton_ops
+    from pagedllm.kernels.backend import KernelOps
+
+    # mypy holds each backend module to the contract.
+    _BACKEND_MODULES: tuple[KernelOps, ...] = (cpu_ops, reference, triton_ops)
+
 BACKENDS = ("auto", "cpu", "torch", "triton")
-# What every backend module provides.
+# What every backend module provides: KernelOps' members (a test holds them equal), named
+# here so that this package's import needs no torch.
 OPS = (
     "paged_attention",
     "write_kv",
@@ -42,8 +46,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def kernel_ops(backend: str, device: torch.device) -> ModuleType:
+def kernel_ops(backend: str, device: torch.device) -> KernelOps:
     name = resolve_backend(backend, device)
     if name == "cpu" and device.type != "cpu":
         raise ValueError(f"the cpu kernel backend runs on CPU tensors, not {device.type}")
-    return importlib.import_module(f"{__name__}.{MODULES[name]}")
+    # Imported only when chosen: the Triton backend sets up Triton's interpreter.
+    return cast("KernelOps", importlib.import_module(f"{__name__}.{MODULES[name]}"))

@@ -140,7 +140,7 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """:func:`pagedllm.kernels.reference.write_kv` in one launch, a program per token.
+    """:meth:`pagedllm.kernels.backend.KernelOps.write_kv` in one launch, a program per token.
 
     An 8-bit float cache is written through a byte view of it (see the module's docstring).
     """
@@ -206,7 +206,7 @@ def _copy_blocks_kernel(
 
 
 def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:
-    """:func:`pagedllm.kernels.reference.copy_blocks` for all layers in one launch.
+    """:meth:`pagedllm.kernels.backend.KernelOps.copy_blocks` for all layers in one launch.
 
     The kernel reaches every layer through a table of cache base addresses, so the caches
     must share dtype, shape and strides, each block being one contiguous run of elements.

@@ -1,6 +1,6 @@
-"""The CPU backend: paged attention, KV write and block copy for CPU tensors.
+"""The ``"cpu"`` backend: :class:`pagedllm.kernels.backend.KernelOps` for CPU tensors.
 
-Same contract as :mod:`pagedllm.kernels.reference`. Decode rows (one new token) go through the
+Decode rows (one new token) go through the
 C++ kernel of :mod:`pagedllm.kernels.cpu_extension`, which reads K/V in place through the
 block table; where it cannot be built they gather their blocks and use torch's
 ``scaled_dot_product_attention``. Short multi-token steps (speculative decoding's verification
@@ -9,8 +9,9 @@ position. Longer prefill chunks gather their sequence's blocks and use
 ``scaled_dot_product_attention`` with the causal mask of their positions.
 
 The layers' elementwise work (RMSNorm with and without the residual add, the rotary embedding,
-SiLU·mul) and the KV write run as single C++ passes where the kernels are built, with the
-contract of :mod:`pagedllm.kernels.layer_ops`; without them, that module's torch code.
+SiLU·mul), the quantized matmul and the KV write run as single C++ passes where the kernels
+are built; without them, the torch code of :mod:`pagedllm.kernels.layer_ops`,
+:mod:`pagedllm.kernels.quant_linear` and :mod:`pagedllm.kernels.reference`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter ``key``/``value`` into the cache; a slot of -1 is not written."""
     same = key.dtype == k_cache.dtype and value.dtype == v_cache.dtype
     if (
         cpu_extension.load()
@@ -75,8 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As :func:`pagedllm.kernels.layer_ops.add_rms_norm`, in place: ``x`` becomes the norm
-    and ``residual`` the sum."""
+    """In place: ``x`` becomes the norm and ``residual`` the sum."""
     if not (_fused(x, weight) and x.dim() == 2 and x.stride(-1) == 1 and residual.is_contiguous()):
         return layer_ops.add_rms_norm(x, residual, weight, eps)
     torch.ops.pagedllm_cpu.add_rms_norm(x, residual, weight, eps)
@@ -86,7 +85,7 @@ def add_rms_norm(
 def rotary_embedding(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As :func:`pagedllm.kernels.layer_ops.rotary_embedding`, in place."""
+    """In place."""
     if not (_fused(q, cos) and q.stride(-1) == 1 and k.stride(-1) == 1):
         return layer_ops.rotary_embedding(q, k, cos, sin)
     torch.ops.pagedllm_cpu.rotary_embedding(q, k, cos, sin)
@@ -107,7 +106,6 @@ def quant_linear(
     bits: int,
     group_size: int,
 ) -> torch.Tensor:
-    """As :func:`pagedllm.kernels.quant_linear.quant_linear`."""
     if not cpu_extension.load():
         return quant_reference.quant_linear(x, qweight, scales, mins, bits, group_size)
     if x.dim() == 2:  # the engine's tokens; a decode step makes 4 calls a layer
@@ -194,7 +192,8 @@ def paged_attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over all of its cached KV."""
+    """Pure decode steps as one call of the decode kernel; short steps (a few drafts) as a
+    decode row per query; longer chunks one sequence at a time."""
     num_seqs = seq_lens_k.shape[0]
     if num_seqs == 0:
         return torch.empty_like(q)

@@ -1,17 +1,6 @@
-"""Pure-torch references for the paged-attention kernels.
-
-They define the contract the Triton kernels must meet, and they are what the engine runs on
-the CPU. Layout shared by all of them:
-
-- a layer's cache is a pair ``(k_cache, v_cache)``, each ``[num_blocks, block_size,
-  num_kv_heads, head_dim]``; a token's slot is ``block_id * block_size + offset``;
-- queries of a mixed batch are laid out varlen: sequence ``i`` owns rows
-  ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of ``q`` (``[num_tokens, num_heads, head_dim]``);
-- a cache holds the activations' dtype, 8-bit floats, or int8 rows with a float16 scale each
-  (``to_cache``; ``from_cache`` is what attention reads);
-- ``seq_lens_k[i]`` counts all of sequence ``i``'s tokens whose KV is in the cache, the new
-  ones included, so its queries sit at positions ``seq_lens_k[i] - q_len .. seq_lens_k[i] - 1``.
-"""
+"""The ``"torch"`` backend: :class:`pagedllm.kernels.backend.KernelOps` in plain torch, the
+reference the other backends are tested against, and how a cache holds its values
+(``to_cache``, ``from_cache``)."""
 
 from __future__ import annotations
 
@@ -76,10 +65,7 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter ``key``/``value`` (``[num_tokens, num_kv_heads, head_dim]``) into the cache.
-
-    A slot of -1 means the token is not written (e.g. padding).
-    """
+    """:meth:`KernelOps.write_kv <pagedllm.kernels.backend.KernelOps.write_kv>`."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
@@ -89,7 +75,7 @@ def write_kv(
 
 
 def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:
-    """Copy whole blocks ``pairs[:, 0] -> pairs[:, 1]`` in every layer (copy-on-write)."""
+    """:meth:`KernelOps.copy_blocks <pagedllm.kernels.backend.KernelOps.copy_blocks>`."""
     if pairs.numel() == 0:
         return
     src, dst = pairs[:, 0].long(), pairs[:, 1].long()
@@ -148,11 +134,8 @@ def paged_attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over all of its cached KV.
-
-    ``block_tables`` is ``[num_seqs, max_blocks]`` (int32, unused entries arbitrary).
-    Returns ``[num_tokens, num_heads, head_dim]``.
-    """
+    """:meth:`KernelOps.paged_attention <pagedllm.kernels.backend.KernelOps.paged_attention>`:
+    decode rows as one padded batch, longer chunks one sequence at a time."""
     num_seqs = seq_lens_k.shape[0]
     out = q.new_empty(q.shape)
     if num_seqs == 0:

@@ -1,6 +1,5 @@
-"""The Triton backend: paged attention, KV write and block copy.
-
-Same contract as :mod:`pagedllm.kernels.reference`. Without a GPU the kernels run on CPU
+"""The ``"triton"`` backend: :class:`pagedllm.kernels.backend.KernelOps` with Triton's paged
+attention, KV write and block copy. Without a GPU the kernels run on CPU
 tensors through Triton's interpreter (see :mod:`pagedllm.kernels.triton_device`).
 """
 
@@ -36,11 +35,8 @@ def paged_attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over all of its cached KV.
-
-    ``max_seqlen_q`` and ``max_seqlen_k`` pick the tile shapes and the flash-decoding split;
-    passing them spares a device-to-host copy.
-    """
+    """:func:`pagedllm.kernels.unified_attention.unified_attention`; ``max_seqlen_q`` and
+    ``max_seqlen_k`` pick its tile shapes and flash-decoding split."""
     num_seqs = seq_lens_k.shape[0]
     if num_seqs == 0:
         return torch.empty_like(q)

@@ -411,7 +411,8 @@ def unified_attention(
     num_kv_splits: int,
     capability: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """:func:`pagedllm.kernels.reference.paged_attention`, its keys split ``num_kv_splits`` ways.
+    """:meth:`pagedllm.kernels.backend.KernelOps.paged_attention`, its keys split
+    ``num_kv_splits`` ways.
 
     ``capability`` picks the tiles (and the 8-bit formats taken) for that compute capability
     instead of the device's. A 16- or 32-bit cache is computed with in its dtype, an 8-bit

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels.backend import KernelOps
 from pagedllm.lora.layers import LoRALinear
 from pagedllm.models import cpu_linear, quantized
 from pagedllm.models.quantized import QuantizedWeight
@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
     """RMSNorm through the kernel backend's ops; given the residual stream, it adds ``x`` to it
     first and returns ``(normed, residual)`` (one pass where the backend fuses them)."""
 
-    def __init__(self, size: int, eps: float, ops: ModuleType) -> None:
+    def __init__(self, size: int, eps: float, ops: KernelOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
@@ -123,7 +123,7 @@ class PackableLinear(nn.Linear):
 
     packed: cpu_linear.PackedWeight | None = None
     quantized: QuantizedWeight | None = None
-    quant_ops: ModuleType | None = None
+    quant_ops: KernelOps | None = None
     lora: LoRALinear | None = None
 
     def pack_weight(self) -> None:
@@ -131,7 +131,7 @@ class PackableLinear(nn.Linear):
         self.packed = cpu_linear.pack(self.weight)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
-    def set_quantized(self, weight: QuantizedWeight, ops: ModuleType) -> None:
+    def set_quantized(self, weight: QuantizedWeight, ops: KernelOps) -> None:
         """Multiply by ``weight`` through ``ops.quant_linear`` (the dense weight is freed)."""
         if weight.shape != (self.out_features, self.in_features):
             raise ValueError(
@@ -201,7 +201,7 @@ class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool, tp_size: int, ops: ModuleType
+        self, hidden_size: int, intermediate_size: int, bias: bool, tp_size: int, ops: KernelOps
     ) -> None:
         super().__init__()
         self.ops = ops

@@ -7,12 +7,12 @@ are fused (``qkv_proj``, ``gate_up_proj``); the loader maps one layout onto the 
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from pagedllm.kernels.backend import KernelOps
 from pagedllm.models.attention_metadata import AttentionMetadata
 from pagedllm.models.layers import (
     ColumnParallelLinear,
@@ -32,7 +32,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, ops: ModuleType, tp_size: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, ops: KernelOps, tp_size: int) -> None:
         super().__init__()
         self.ops = ops
         self.head_dim = config.head_dim
@@ -93,7 +93,7 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, ops: ModuleType, tp_size: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, ops: KernelOps, tp_size: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer, ops, tp_size)
         self.mlp = GatedMLP(
@@ -129,7 +129,7 @@ class DecoderModel(nn.Module):
     # Runs the layers of decode steps in one call where set (``decode_graph.build``).
     decode_graph: DecodeGraph | None = None
 
-    def __init__(self, config: ModelConfig, ops: ModuleType, tp_size: int) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp_size: int) -> None:
         super().__init__()
         self.ops = ops
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
@@ -168,7 +168,7 @@ class CausalLM(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, ops: ModuleType, tp_rank: int = 0, tp_size: int = 1
+        self, config: ModelConfig, ops: KernelOps, tp_rank: int = 0, tp_size: int = 1
     ) -> None:
         super().__init__()
         config.check_tensor_parallel(tp_size)

@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from pagedllm.kernels import kernel_ops
+from pagedllm.kernels.backend import KernelOps
 from pagedllm.models import (
     DTYPE_CHOICES,
     DTYPES,
@@ -70,7 +70,7 @@ def load_model(
     model_dir: str | Path,
     dtype: str = "auto",
     device: str | torch.device = "cpu",
-    ops: ModuleType | None = None,
+    ops: KernelOps | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
     quantization: str | None = None,
@@ -146,7 +146,7 @@ def _keep_quantized(
     model: CausalLM,
     checkpoint: GGUFCheckpoint,
     config: ModelConfig,
-    ops: ModuleType,
+    ops: KernelOps,
     device: torch.device,
     tp_rank: int,
     tp_size: int,
@@ -209,7 +209,7 @@ def _read_quantized(
     return weight
 
 
-def _quantize_int8(model: CausalLM, ops: ModuleType) -> None:
+def _quantize_int8(model: CausalLM, ops: KernelOps) -> None:
     """Every linear layer's weight (the head's included) in int8 groups."""
     for name, module in model.named_modules():
         if not isinstance(module, PackableLinear) or module.quantized is not None:

@@ -19,8 +19,10 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.hub import HF_URI
+from pagedllm.lora.adapter_list import AdapterListError, ListedAdapter, parse_adapter_list
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +33,10 @@ RETRY_SECONDS = 1.0
 MAX_RETRY_SECONDS = 60.0
 
 
-class AdapterFileError(ValueError):
-    """The file is not a list of adapters; the message says what is wrong."""
-
-
-@dataclass(frozen=True)
-class AdapterEntry:
-    name: str
-    uri: str  # an absolute directory, or hf://ORG/NAME[@REVISION]
-    preload: bool = False
+# The file is not a list of adapters; the message says what is wrong.
+AdapterFileError = AdapterListError
+# name, uri (an absolute directory, or hf://ORG/NAME[@REVISION]) and preload.
+AdapterEntry = ListedAdapter[str]
 
 
 def parse_adapter_file(text: str, where: str) -> tuple[AdapterEntry, ...]:
@@ -49,30 +46,15 @@ def parse_adapter_file(text: str, where: str) -> tuple[AdapterEntry, ...]:
         raw = json.loads(text)
     except json.JSONDecodeError as error:
         raise AdapterFileError(f"{where}: not JSON: {error}") from None
-    if not isinstance(raw, list):
-        raise AdapterFileError(f"{where}: expected a list of {{name, uri, preload}}")
-    entries: list[AdapterEntry] = []
-    for index, item in enumerate(raw):
-        at = f"{where}: adapter {index}"
-        if not isinstance(item, dict):
-            raise AdapterFileError(f"{at}: expected an object with name, uri and preload")
-        unknown = sorted(set(item) - {"name", "uri", "preload"})
-        if unknown:
-            raise AdapterFileError(f"{at}: unknown fields {unknown}")
-        name, uri, preload = item.get("name"), item.get("uri"), item.get("preload", False)
-        if not isinstance(name, str) or not name.strip():
-            raise AdapterFileError(f"{at}: name must be a non-empty string")
-        if any(entry.name == name for entry in entries):
-            raise AdapterFileError(f"{at}: the name {name!r} is given twice")
-        if not isinstance(uri, str) or not (os.path.isabs(uri) or _hub_repository(uri)):
-            raise AdapterFileError(
-                f"{at} ({name}): uri must be an absolute directory or "
-                f"hf://ORG/NAME[@REVISION], got {uri!r}"
-            )
-        if not isinstance(preload, bool):
-            raise AdapterFileError(f"{at} ({name}): preload must be true or false")
-        entries.append(AdapterEntry(name, uri, preload))
-    return tuple(entries)
+    return parse_adapter_list(raw, where, _checked_uri)
+
+
+def _checked_uri(uri: Any, where: str) -> str:
+    if not isinstance(uri, str) or not (os.path.isabs(uri) or _hub_repository(uri)):
+        raise AdapterFileError(
+            f"{where}.uri must be an absolute directory or hf://ORG/NAME[@REVISION], got {uri!r}"
+        )
+    return uri
 
 
 def _hub_repository(uri: str) -> tuple[str, str | None] | None:

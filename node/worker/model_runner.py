@@ -28,9 +28,12 @@ from pagedllm.models.loader import load_model
 from pagedllm.worker import kv_cache
 from pagedllm.worker.sampler import SampleRow, sample
 from pagedllm.worker.spec_verify import verify
+from pagedllm.worker.step_batch import PromptRows, StepBatch, Verifying, prepare_batch
 
 if TYPE_CHECKING:
-    from pagedllm.structured.matchers import GrammarMatchers
+    from concurrent.futures import Future
+
+    from pagedllm.structured.matchers import GrammarMatchers, TokenMask
 
 log = logging.getLogger(__name__)
 # Ids of the warm-up's sequence and step: the scheduler's count up from 0.
@@ -240,130 +243,107 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """One step: the plan applied, its batch laid out and run through the model, and on
+        rank 0 (which samples) the samples, the verified drafts and the prompt logprobs."""
         self._apply(plan)
         result = StepResult(step_id=plan.step_id)
         if not plan.scheduled:
             return result
-        bs = self.block_size
-        input_ids: list[np.ndarray] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        cu_seqlens = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []  # row in the batch whose logits are sampled
-        sampled: list[tuple[int, NewSequence]] = []
-        # Sequences verifying drafts: (seq id, seq, first row, draft); rows first .. first+len.
-        verified: list[tuple[int, NewSequence, int, list[int]]] = []
-        prompt_rows: list[tuple[int, NewSequence, int, int, int]] = []  # id, seq, row, pos, n
-        for seq_id, n in plan.scheduled:
-            seq = self.seqs[seq_id]
-            start = seq.num_computed_tokens
-            draft = plan.drafts.get(seq_id, [])
-            # The drafts run after the known tokens, through the same paged attention: one
-            # multi-token step of the sequence against its cache, like a prefill chunk.
-            known = n - len(draft)
-            pos = np.arange(start, start + n)
-            table = np.asarray(seq.block_ids, dtype=np.int64)
-            slot = table[pos // bs] * bs + pos % bs
-            slot[pos < seq.num_kv_tokens] = -1
-            input_ids.append(
-                np.asarray(seq.token_ids[start : start + known] + draft, dtype=np.int64)
-            )
-            positions.append(pos)
-            slots.append(slot)
-            row0 = cu_seqlens[-1]
-            cu_seqlens.append(row0 + n)
-            seq_lens.append(start + n)
-            tables.append(seq.block_ids)
-            if seq.sampling.prompt_logprobs is not None and start < seq.prompt_len - 1:
-                count = min(start + n, seq.prompt_len - 1) - start
-                prompt_rows.append((seq_id, seq, row0, start, count))
-            # Drafts are not the sequence's tokens (yet): the scheduler sends those accepted,
-            # and their K/V slots count as unwritten until then.
-            seq.num_computed_tokens = start + known
-            seq.num_kv_tokens = max(seq.num_kv_tokens, start + known)
-            if draft:
-                verified.append((seq_id, seq, row0 + known - 1, draft))
-            elif start + n == len(seq.token_ids):
-                sample_rows.append(row0 + n - 1)
-                sampled.append((seq_id, seq))
-        dev = self.device
-        max_blocks = max(len(t) for t in tables)
-        table_arr = np.zeros((len(tables), max_blocks), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table_arr[i, : len(t)] = t
-        q_lens = np.diff(cu_seqlens)
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            block_tables=torch.from_numpy(table_arr).to(dev),
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
-            seq_lens_k=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_seqlen_q=int(q_lens.max()),
-            max_seqlen_k=max(seq_lens),
-        )
+        batch = prepare_batch(plan, self.seqs, self.block_size)
+        meta = self._attention_metadata(batch)
         # The grammars' mask is filled while the model runs.
         mask_ahead = (
-            None if self.grammars is None or not sampled else self.grammars.mask_ahead(sampled)
+            None
+            if self.grammars is None or not batch.sampled
+            else self.grammars.mask_ahead(batch.sampled)
         )
-        hidden = self.model(
-            torch.from_numpy(np.concatenate(input_ids)).to(dev),
-            torch.from_numpy(np.concatenate(positions)).to(dev),
+        hidden = self._forward(batch, meta)
+        if self.tp_rank != 0:
+            return result
+        if batch.sample_rows:
+            self._sample(plan, batch, hidden, mask_ahead, result)
+        if batch.verifying:
+            self._verify(hidden, batch.verifying, result)
+        self._add_prompt_logprobs(hidden, batch.prompt_rows, result)
+        return result
+
+    def _attention_metadata(self, batch: StepBatch) -> AttentionMetadata:
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(batch.slots)).to(dev),
+            block_tables=torch.from_numpy(batch.block_table()).to(dev),
+            cu_seqlens_q=torch.tensor(batch.cu_seqlens, dtype=torch.int32, device=dev),
+            seq_lens_k=torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev),
+            max_seqlen_q=int(np.diff(batch.cu_seqlens).max()),
+            max_seqlen_k=max(batch.seq_lens),
+        )
+
+    def _forward(self, batch: StepBatch, meta: AttentionMetadata) -> torch.Tensor:
+        """The last hidden states of every row of the batch."""
+        return self.model(
+            torch.from_numpy(np.concatenate(batch.input_ids)).to(self.device),
+            torch.from_numpy(np.concatenate(batch.positions)).to(self.device),
             self.kv_caches,
             meta,
         )
-        if self.tp_rank != 0:
-            return result
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-            rows = [
-                SampleRow(
-                    seq.sampling,
-                    seq.token_ids[: seq.prompt_len],
-                    seq.token_ids[seq.prompt_len :],
-                    plan.num_samples.get(seq_id, 1),
-                )
-                for seq_id, seq in sampled
-            ]
-            mask = None if mask_ahead is None else mask_ahead.result()
-            for (seq_id, _), out in zip(sampled, sample(logits, rows, mask), strict=True):
-                self.last_samples[seq_id] = out.token_ids[0]
-                result.samples.append(
-                    SeqSample(seq_id, out.token_ids, out.logprobs, out.top_logprobs)
-                )
-        if verified:
-            self._verify(hidden, verified, result)
-        for seq_id, seq, row0, start, count in prompt_rows:
-            logits = self.model.compute_logits(hidden[row0 : row0 + count])
-            result.prompt_logprobs.append(_prompt_logprobs(seq_id, seq, logits, start))
-        return result
 
-    def _verify(
+    def _sample(
         self,
+        plan: StepPlan,
+        batch: StepBatch,
         hidden: torch.Tensor,
-        verified: list[tuple[int, NewSequence, int, list[int]]],
+        mask_ahead: Future[TokenMask | None] | None,
         result: StepResult,
     ) -> None:
-        rows = [r for _, _, first, draft in verified for r in range(first, first + len(draft) + 1)]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        at = 0
-        for seq_id, seq, _, draft in verified:
-            out = verify(
-                logits[at : at + len(draft) + 1],
+        logits = self.model.compute_logits(
+            hidden[torch.tensor(batch.sample_rows, device=self.device)]
+        )
+        # Waited for only now: the mask is filled while the logits are computed too.
+        mask = None if mask_ahead is None else mask_ahead.result()
+        rows = [
+            SampleRow(
                 seq.sampling,
                 seq.token_ids[: seq.prompt_len],
                 seq.token_ids[seq.prompt_len :],
-                draft,
+                plan.num_samples.get(seq_id, 1),
             )
-            at += len(draft) + 1
-            self.last_samples[seq_id] = out.token_ids[-1]
+            for seq_id, seq in batch.sampled
+        ]
+        for (seq_id, _), out in zip(batch.sampled, sample(logits, rows, mask), strict=True):
+            self.last_samples[seq_id] = out.token_ids[0]
             result.samples.append(SeqSample(seq_id, out.token_ids, out.logprobs, out.top_logprobs))
 
+    def _add_prompt_logprobs(
+        self, hidden: torch.Tensor, prompt_rows: list[PromptRows], result: StepResult
+    ) -> None:
+        for rows in prompt_rows:
+            logits = self.model.compute_logits(hidden[rows.row : rows.row + rows.count])
+            result.prompt_logprobs.append(_prompt_logprobs(rows, logits))
 
-def _prompt_logprobs(
-    seq_id: int, seq: NewSequence, logits: torch.Tensor, start: int
-) -> PromptLogprobs:
-    """Log probabilities of the prompt tokens after positions ``start .. start + len - 1``."""
+    def _verify(self, hidden: torch.Tensor, verifying: list[Verifying], result: StepResult) -> None:
+        rows = [r for v in verifying for r in range(v.first_row, v.first_row + len(v.draft) + 1)]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        at = 0
+        for v in verifying:
+            seq = v.seq
+            out = verify(
+                logits[at : at + len(v.draft) + 1],
+                seq.sampling,
+                seq.token_ids[: seq.prompt_len],
+                seq.token_ids[seq.prompt_len :],
+                v.draft,
+            )
+            at += len(v.draft) + 1
+            self.last_samples[v.seq_id] = out.token_ids[-1]
+            result.samples.append(
+                SeqSample(v.seq_id, out.token_ids, out.logprobs, out.top_logprobs)
+            )
+
+
+def _prompt_logprobs(rows: PromptRows, logits: torch.Tensor) -> PromptLogprobs:
+    """Log probabilities of the prompt tokens after positions ``start .. start + len - 1``
+    (``logits``: those of ``rows``)."""
+    seq_id, seq, start = rows.seq_id, rows.seq, rows.start
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     count = logits.shape[0]
     targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + count], device=logits.device)

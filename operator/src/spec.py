@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 from pagedllm.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from pagedllm.core.speculative import SpeculativeConfig, parse_speculative_config
+from pagedllm.lora.adapter_list import ADAPTER_NAME_MAX as ADAPTER_NAME_MAX
+from pagedllm.lora.adapter_list import AdapterListError, parse_adapter_list
 
 GROUP = "pagedllm.io"
 VERSION = "v1alpha1"
@@ -241,11 +243,6 @@ class ObservabilitySpec:
 class SecretKeyRef:
     name: str
     key: str = "api-key"
-
-
-# An adapter's name is what requests put as their model and a label of the pods' metrics.
-_ADAPTER_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-ADAPTER_NAME_MAX = 128
 
 
 @dataclass(frozen=True)
@@ -488,36 +485,21 @@ def parse_adapter_uri(uri: Any, where: str) -> ModelSource:
 
 
 def parse_adapters(raw: Any, served_name: str) -> tuple[AdapterSpec, ...]:
-    """spec.adapters: names unique, none the model's own, each uri in the model's grammar."""
+    """spec.adapters: the node's adapter list (names valid and unique), none the model's own,
+    each uri in the model's grammar."""
     if raw is None:
         return ()
-    if not isinstance(raw, list):
-        raise InvalidSpec("spec.adapters must be a list of {name, uri, preload}")
-    adapters: list[AdapterSpec] = []
-    for index, item in enumerate(raw):
-        where = f"spec.adapters[{index}]"
-        if not isinstance(item, Mapping):
-            raise InvalidSpec(f"{where} must be an object with name, uri and preload")
-        unknown = sorted(set(item) - {"name", "uri", "preload"})
-        if unknown:
-            raise InvalidSpec(f"{where}: unknown fields {unknown}; known: name, uri, preload")
-        name = item.get("name")
-        if (
-            not isinstance(name, str)
-            or len(name) > ADAPTER_NAME_MAX
-            or not _ADAPTER_NAME.fullmatch(name)
-        ):
+    try:
+        listed = parse_adapter_list(raw, "spec.adapters", parse_adapter_uri)
+    except AdapterListError as error:
+        raise InvalidSpec(str(error)) from None
+    for index, adapter in enumerate(listed):
+        if adapter.name == served_name:
             raise InvalidSpec(
-                f"{where}.name: {name!r} is not an adapter name (letters, digits, '-', '_' and "
-                f"'.', starting and ending with a letter or digit, at most {ADAPTER_NAME_MAX})"
+                f"spec.adapters[{index}].name: {adapter.name!r} is spec.model.servedName, "
+                "the base model"
             )
-        if name == served_name:
-            raise InvalidSpec(f"{where}.name: {name!r} is spec.model.servedName, the base model")
-        if any(adapter.name == name for adapter in adapters):
-            raise InvalidSpec(f"{where}.name: {name!r} is given twice")
-        preload = _pick(item, "preload", False, bool, f"adapters[{index}].")
-        adapters.append(AdapterSpec(name, parse_adapter_uri(item.get("uri"), where), preload))
-    return tuple(adapters)
+    return tuple(AdapterSpec(a.name, a.uri, a.preload) for a in listed)
 
 
 def parse_lora(raw: Any) -> LoRASpec | None:

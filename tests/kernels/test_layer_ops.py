@@ -105,3 +105,9 @@ def test_write_kv_refuses_a_slot_outside_the_cache():
 def test_every_backend_provides_every_op(backend):
     module = kernel_ops(backend, torch.device("cpu"))
     assert [name for name in OPS if not callable(getattr(module, name, None))] == []
+
+
+def test_the_ops_named_are_the_contracts():
+    from pagedllm.kernels.backend import KernelOps
+
+    assert OPS == tuple(name for name in vars(KernelOps) if not name.startswith("_"))

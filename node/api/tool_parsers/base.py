@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -90,22 +89,6 @@ def json_values(text: str, separators: str = "") -> list[Any]:
         values.append(value)
 
 
-def calls_after(text: str, marker: str, read: Callable[[str], list[ToolCall]]) -> ParsedOutput:
-    """Formats whose calls follow a ``marker`` after optional text: the text before it is the
-    content, ``read`` gets the rest (from the marker on) and raises ``ValueError`` when it
-    holds no well-formed calls, and then all of ``text`` is content."""
-    start = text.find(marker)
-    if start < 0:
-        return ParsedOutput(text)
-    try:
-        calls = read(text[start:])
-    except ValueError:
-        return ParsedOutput(text)
-    if not calls:
-        return ParsedOutput(text)
-    return ParsedOutput(text[:start].strip() or None, calls)
-
-
 def partial_json(text: str, allow: Allow) -> Any:
     """The value that the start of a JSON text, ``text``, shows so far; None if none."""
     try:
@@ -142,14 +125,3 @@ def shown_content(text: str, marker: str) -> str:
         if marker.startswith(text[-size:]):
             return text[:-size]
     return text
-
-
-def partial_after(
-    text: str, marker: str, read: Callable[[str], list[PartialCall]]
-) -> PartialOutput:
-    """``calls_after`` for a growing reply: the text before ``marker`` is content, ``read``
-    gets the rest."""
-    start = text.find(marker)
-    if start < 0:
-        return PartialOutput(shown_content(text, marker))
-    return PartialOutput(text[:start], read(text[start:]))

@@ -7,16 +7,13 @@ import json
 import re
 
 from pagedllm.api.tool_parsers.base import (
-    ParsedOutput,
     PartialCall,
-    PartialOutput,
     ToolCall,
     call_from_object,
-    calls_after,
-    partial_after,
     partial_calls,
     shown_content,
 )
+from pagedllm.api.tool_parsers.tagged import TaggedParser
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -24,21 +21,14 @@ END = "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
-class HermesParser:
+class HermesParser(TaggedParser):
     name = "hermes"
+    start = START
 
-    def parse(self, text: str) -> ParsedOutput:
-        return calls_after(text, START, _calls)
+    def calls(self, text: str) -> list[ToolCall]:
+        return [call_from_object(json.loads(body)) for body in _CALL.findall(text)]
 
-    def parse_partial(self, text: str) -> PartialOutput:
-        return partial_after(text, START, _partial_calls)
-
-
-def _calls(text: str) -> list[ToolCall]:
-    return [call_from_object(json.loads(body)) for body in _CALL.findall(text)]
-
-
-def _partial_calls(text: str) -> list[PartialCall]:
-    return [
-        call for body in _CALL.findall(text) for call in partial_calls(shown_content(body, END))
-    ]
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        return [
+            call for body in _CALL.findall(text) for call in partial_calls(shown_content(body, END))
+        ]

@@ -7,59 +7,49 @@ import json
 
 from pagedllm.api.tool_parsers.base import (
     PARTIAL_STRINGS,
-    ParsedOutput,
     PartialCall,
-    PartialOutput,
     ToolCall,
     call_from_object,
-    calls_after,
     json_values,
-    partial_after,
     partial_calls,
     partial_json,
 )
+from pagedllm.api.tool_parsers.tagged import TaggedParser
 
 START = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 
 
-class MistralParser:
+class MistralParser(TaggedParser):
     name = "mistral"
+    start = START
 
-    def parse(self, text: str) -> ParsedOutput:
-        return calls_after(text, START, _calls)
+    def calls(self, text: str) -> list[ToolCall]:
+        calls: list[ToolCall] = []
+        for part in text.split(START)[1:]:
+            part = part.strip()
+            if part.startswith("["):
+                (listed,) = json_values(part)
+                if not isinstance(listed, list):
+                    raise ValueError("[TOOL_CALLS] is followed by a list")
+                calls += [call_from_object(v) for v in listed]
+            elif ARGS in part:
+                name, arguments = part.split(ARGS, 1)
+                calls.append(
+                    call_from_object({"name": name.strip(), "arguments": json.loads(arguments)})
+                )
+            else:
+                raise ValueError("no calls after [TOOL_CALLS]")
+        return calls
 
-    def parse_partial(self, text: str) -> PartialOutput:
-        return partial_after(text, START, _partial_calls)
-
-
-def _calls(text: str) -> list[ToolCall]:
-    calls: list[ToolCall] = []
-    for part in text.split(START)[1:]:
-        part = part.strip()
-        if part.startswith("["):
-            (listed,) = json_values(part)
-            if not isinstance(listed, list):
-                raise ValueError("[TOOL_CALLS] is followed by a list")
-            calls += [call_from_object(v) for v in listed]
-        elif ARGS in part:
-            name, arguments = part.split(ARGS, 1)
-            calls.append(
-                call_from_object({"name": name.strip(), "arguments": json.loads(arguments)})
-            )
-        else:
-            raise ValueError("no calls after [TOOL_CALLS]")
-    return calls
-
-
-def _partial_calls(text: str) -> list[PartialCall]:
-    calls: list[PartialCall] = []
-    for part in text.split(START)[1:]:
-        part = part.strip()
-        if part.startswith("["):
-            calls += partial_calls(part)
-        elif ARGS in part:
-            name, arguments = part.split(ARGS, 1)
-            value = partial_json(arguments, PARTIAL_STRINGS)
-            calls.append(PartialCall(name.strip(), value if isinstance(value, dict) else None))
-    return calls
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        calls: list[PartialCall] = []
+        for part in text.split(START)[1:]:
+            part = part.strip()
+            if part.startswith("["):
+                calls += partial_calls(part)
+            elif ARGS in part:
+                name, arguments = part.split(ARGS, 1)
+                value = partial_json(arguments, PARTIAL_STRINGS)
+                calls.append(PartialCall(name.strip(), value if isinstance(value, dict) else None))
+        return calls
