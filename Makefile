@@ -71,7 +71,8 @@ typecheck: install-test
 	ln -s $(CURDIR)/kernels $(CURDIR)/operator build/typecheck/pagedllm/
 	$(BIN)/mypy
 
-# The documentation site on http://127.0.0.1:8000, rebuilt as its pages change (mkdocs.yml).
+# The documentation site on http://127.0.0.1:8000, rebuilt as its pages change (mkdocs.yml);
+# npm installs its mermaid.js (docs/hooks/mermaid_js.py) on the first build.
 docs: install-test
 	$(BIN)/mkdocs serve
 
