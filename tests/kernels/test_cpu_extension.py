@@ -95,7 +95,7 @@ ISA_PATHS: dict[str, dict[str, str]] = {
 X86 = platform.machine() in ("x86_64", "AMD64")
 
 
-def test_every_level_has_its_expected_instructions() -> None:
+def test_the_table_has_an_entry_for_every_level() -> None:
     assert sorted(ISA_PATHS) == sorted(isa.NAMES)
 
 
