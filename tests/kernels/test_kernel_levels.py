@@ -20,13 +20,14 @@ from pagedllm.kernels import cpu_extension, isa
 REPO = Path(__file__).resolve().parents[2]
 # What each level reruns: every comparison of a C++ kernel with the reference (the decode
 # attention over every cache dtype, the KV writes, the layer ops, the quantized matmul, the
-# panel matmul in float32 and bfloat16).
+# panel matmul in float32 and bfloat16, the decode graph over them).
 COMPARISONS = (
     "tests/kernels/test_kernels.py::test_cpu_backend_matches_reference",
     "tests/kernels/test_cpu_kv_cache_8bit.py",
     "tests/kernels/test_layer_ops.py",
     "tests/kernels/test_quant_linear.py",
     "tests/models/test_cpu_linear.py",
+    "tests/models/test_decode_graph.py",
 )
 
 V4_VNNI = isa.X86_64_V4 | {"avx512_vnni"}
