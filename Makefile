@@ -7,7 +7,7 @@ LOCK := requirements
 # lock is an error rather than a resolution.
 LOCKED := --require-hashes
 
-.PHONY: serve test test-latest e2e lint typecheck bench install install-test lock docs \
+.PHONY: serve test test-latest e2e lint typecheck bench install install-test lock docs docs-deps \
 	cluster cluster-down cluster-bin
 
 $(BIN)/python:
@@ -37,7 +37,7 @@ install-test: $(VENV)/.installed-test
 serve: install
 	$(BIN)/pagedllm serve $(ARGS)
 
-test: install-test lint typecheck cluster-bin
+test: install-test lint typecheck cluster-bin docs-deps
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || echo "make test:" \
 	    "no Chromium browser or chromedriver found, so the block map's browser test" \
 	    "(tests/serve/test_serve_kv_page.py) is skipped; apt-get install chromium chromium-driver"
@@ -74,8 +74,13 @@ typecheck: install-test
 	$(BIN)/mypy
 
 # The documentation site on http://127.0.0.1:8000, rebuilt as its pages change (mkdocs.yml).
-docs: install-test
+docs: install-test docs-deps
 	$(BIN)/mkdocs serve
+
+# What the site ships and is not ours: mermaid.js, from npm's pinned package, checked against
+# its integrity hash, into the cache (docs/hooks/mermaid_js.py; once per machine).
+docs-deps: install-test
+	$(BIN)/python -P docs/hooks/mermaid_js.py
 
 bench: install-test
 	$(BIN)/python bench/serving.py --setup-peers

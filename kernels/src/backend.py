@@ -1,7 +1,7 @@
 """The contract every kernel backend meets: what ``kernel_ops(backend)`` gives the model.
 
 A backend is a module (``cpu_ops``, ``reference``, ``triton_ops``) whose functions are those of
-:class:`KernelOps`; mypy checks each against it (``kernels/__init__.py``). The prose of the
+:class:`KernelOps`; mypy checks each against it (``kernels/src/__init__.py``). The prose of the
 contract lives here once; the backends say only how they meet it.
 
 Layout shared by the attention functions:

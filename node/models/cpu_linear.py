@@ -1,26 +1,14 @@
 """Weight matmuls on the CPU through a packed layout, each weight packed once when the model
 is loaded (what inductor's CPU backend does with frozen weights): float32 and bfloat16 weights
-in panels of 16 output features for the C++ panel matmul where the CPU has AVX-512 and the
-kernels are built (``csrc/panel_linear_cpu.cpp``); else float32 ones in MKL's packed sgemm
-layout, and bfloat16 ones (and float32 where MKL is missing) in oneDNN's blocked layout. Used
-on x86 CPUs;
+in panels of 16 output features for the C++ panel matmul where the kernels are built for
+AVX-512 (``csrc/panel_linear_cpu.cpp``); else float32 ones in MKL's packed sgemm layout, and
+bfloat16 ones (and float32 where MKL is missing) in oneDNN's blocked layout. Used on x86 CPUs;
 ``PAGEDLLM_ONEDNN_LINEAR=0`` keeps ``F.linear``.
 
-On a 2-core AVX-512 machine, SmolLM2's 120 layer matmuls in float32 took (ms, one forward):
-
-    rows      1     8     32
-    F.linear  21.5  41.4  60.4
-    oneDNN    26.6  31.9  51.8
-    MKL       19.3  29.4  45.2
-
-and on the 2-core AVX-512 Xeon the panels came in (ms, each weight read from memory once):
-
-    rows      1     8     16    32    256
-    MKL       19.0  27.5  32.2  41.1  199
-    panels    15.3  22.5  30.0  41.8  212-222
-
-Decode steps run at the row counts where the panels lead; a prompt of hundreds of tokens
-costs 5-10 % more in its matmuls.
+The order is the measured one (the tables: ``docs/design/kernels.md``): in float32 MKL's packed
+sgemm beats oneDNN and ``F.linear`` at every decode row count, and the panels beat MKL at the
+row counts decode steps run; a prompt of hundreds of tokens costs a little more in its
+matmuls through the panels.
 
 MKL's packed layout does not depend on the row count it is packed for (its size is the same
 for 1 and 32 rows, and products of every row count match ``F.linear``): one copy serves every
@@ -195,8 +183,8 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> 
         return torch.ops.mkl._mkl_linear(x.contiguous(), weight.data, weight.stand_in, bias, rows)
     packed = weight.data
     if x.dim() == 2 and x.shape[0] < ROW_PIECE and padded_rows(x.shape[0]) == x.shape[0]:
-        # A row count run as it is, one call: the pieces' slicing and joining cost 20 us a
-        # call in Python, some 2.5 ms a decode step of SmolLM2's 121 matmuls.
+        # A row count run as it is, one call: the pieces' slicing and joining cost a fixed
+        # time a call in Python, paid by every matmul of a decode step.
         return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
     rows = x.reshape(-1, x.shape[-1])
     outputs, start = [], 0

@@ -2,8 +2,8 @@
 
 In a decode step (one new token per sequence) each layer is the same dozen operations; from
 Python they are a dozen operator calls and as many module calls a layer. Run from C++ instead,
-a SmolLM2 step (30 layers) took 5-9 ms less, more than the interpreter's own ~1 ms: the
-operators themselves ran slower with Python between them. ``decode_layers``
+a step saves more than the interpreter's own time: the operators themselves ran slower with
+Python between them (the measurements: ``docs/design/kernels.md``). ``decode_layers``
 (``kernels/src/csrc/decode_graph_cpu.cpp``) runs every layer from C++ through the same ops, so
 its results are the eager forward's. It is what vLLM's CPU backend gets from compiling its
 forward with ``torch.compile``, without a compile at start-up: the library is built with the

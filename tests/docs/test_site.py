@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from collections.abc import Iterator
@@ -73,10 +74,33 @@ def test_the_site_loads_nothing_from_the_internet(site: Path) -> None:
         for loaded in (a or b for a, b in LOADS.findall(text)):
             assert not loaded.startswith(("http:", "https:", "//")), f"{page}: loads {loaded}"
         assert not [cdn for cdn in CDNS if cdn in text], page
-    # Mermaid's diagrams are drawn by the copy shipped with the site.
-    assert (site / "javascripts" / "mermaid.min.js").stat().st_size > 1_000_000
+    # Mermaid's diagrams are drawn by the copy shipped with the site, the pinned package's.
+    shipped = (site / "javascripts" / "mermaid.min.js").read_bytes()
+    assert len(shipped) > 1_000_000
+    assert shipped == hook("mermaid_js").installed().read_bytes()
     assert 'src="javascripts/mermaid.min.js"' in (site / "index.html").read_text()
     assert '<pre class="mermaid"><code>flowchart' in (site / "index.html").read_text()
+
+
+def test_mermaid_is_installed_only_from_a_tarball_of_the_pinned_integrity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mermaid = hook("mermaid_js")
+    script = tmp_path / "mermaid.min.js"
+    script.write_text("alert('not mermaid')")
+
+    def fetch(folder: Path) -> Path:  # npm pack, of a tarball that is not the pinned one
+        tarball = folder / "mermaid-11.12.0.tgz"
+        with tarfile.open(tarball, "w:gz") as archive:
+            archive.add(script, mermaid.MEMBER)
+        return tarball
+
+    monkeypatch.setattr(mermaid, "fetch", fetch)
+    unpacked = tmp_path / "unpacked"
+    unpacked.mkdir()
+    with pytest.raises(RuntimeError, match="not the pinned sha512-"):
+        mermaid.unpack(unpacked)
+    assert not (unpacked / "mermaid.min.js").exists()
 
 
 def test_every_benchmark_plot_is_on_a_page(site: Path) -> None:

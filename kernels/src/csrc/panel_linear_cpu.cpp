@@ -6,12 +6,10 @@
 // make one register tile (24 float32 accumulators): each vector of weights loaded serves every
 // row, so a decode step reads each weight once, at whatever row count, and the products keep
 // pace with the weight stream. Each tile asks for its weights 2 KB ahead, and the rows run in
-// passes of even sizes. At the row counts of decoding this is what bounds a step: SmolLM2's
-// 120 layer matmuls at 1 / 8 / 16 rows took 15-17 / 20-23 / 30 ms against MKL's packed
-// sgemm's 18-19 / 27 / 32 on a 2-core AVX-512 Xeon before the prefetch, which took another
-// 10-15 % off at 4-128 rows (8 / 16 / 32 rows: 25.6 / 33.9 / 46.0 ms -> 22.1 / 28.6 / 40.2 in
-// alternation, a slower hour); at 256 rows (prompts) within 10 % of MKL. bfloat16 weights are
-// half the bytes to stream, with float32 products and sums either way.
+// passes of even sizes. At the row counts of decoding this is what bounds a step, and there it
+// is faster than MKL's packed sgemm, which spends more per added row; at prompt row counts
+// about as fast (the measurements: docs/design/kernels.md). bfloat16 weights are half the
+// bytes to stream, with float32 products and sums either way.
 #include "aten.h"
 
 #include <ATen/Parallel.h>

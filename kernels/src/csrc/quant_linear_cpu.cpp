@@ -560,11 +560,11 @@ at::Tensor dequantized(const Weight& w, int64_t N, int64_t K) {
 }
 
 // From this many rows on (prompts), a matmul runs as a GEMM over the de-quantized weight. With
-// AVX-512 BF16 that GEMM is in bfloat16 (oneDNN's products at twice float32's rate: 2,048 rows
-// of 576 -> 1,536 in 8.7 ms against 19.4), the rows rounded to bfloat16 as the VNNI path rounds
-// them to int8 groups; SmolLM2's 120 layer matmuls on an AMX Xeon, 2 threads: integer products
-// 16.1 ms at 16 rows, 23.6 at 24; the GEMM 19.6 and 21.5 (of which de-quantizing ~7), level at
-// 20. Without it in float32, and the integer products keep up with it longer.
+// AVX-512 BF16 that GEMM is in bfloat16 (oneDNN's products at twice float32's rate), the rows
+// rounded to bfloat16 as the VNNI path rounds them to int8 groups; the row count where it
+// overtakes the integer products is where they measured level on an AMX Xeon (the figures:
+// docs/design/kernels.md). Without it in float32, and the integer products keep up with it
+// longer.
 #if defined(__AVX512BF16__)
 using GemmType = c10::BFloat16;
 constexpr int64_t kGemmRows = 20;
@@ -577,9 +577,9 @@ constexpr int64_t kGemmRows = 32;
 #endif
 
 // The GEMM takes the weight a slice of output features at a time, each slice de-quantized just
-// before its product, while it is still in cache: de-quantized whole, SmolLM2's tied head
-// (49,152 x 576) wrote 56 MB and read them back every call, 22.7 ms at 32 rows against 4.2 for
-// the integer products at 16.
+// before its product, while it is still in cache: de-quantized whole, a large weight (SmolLM2's
+// tied head, 49,152 x 576) was written out and read back from memory on every call, which cost
+// several times the integer products' time.
 constexpr int64_t kGemmSliceValues = int64_t{1} << 20;
 
 template <int BITS, bool HAS_MIN>

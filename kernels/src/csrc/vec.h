@@ -124,7 +124,7 @@ inline float row_scale(const C* row, int64_t dim) {
   }
 }
 
-// A row of dim floats as an int8 cache row holds it (kernels/reference.py's to_cache): the
+// A row of dim floats as an int8 cache row holds it (kernels/src/reference.py's to_cache): the
 // largest magnitude over 127 rounded to float16 is the scale, each value divided by it in
 // float32 and rounded to nearest even.
 inline void quantize_row(const float* x, int64_t dim, int8_t* out) {
