@@ -1,11 +1,11 @@
-"""The site's copy of mermaid.js, which draws its diagrams: installed, not committed. Installing
-is a set-up step (``python docs/hooks/mermaid_js.py``, run by ``make test`` and ``make docs``
-before anything builds the site): npm fetches the pinned package (``npm pack``, through
-whatever registry npm is configured for), the tarball is checked against the pinned integrity
-hash, and its ``dist/mermaid.min.js`` is kept in the cache directory. Building the site only
-reads that copy, so the docs tests reach nothing beyond the machine. The theme would otherwise load mermaid from a CDN, which an
-offline reader does not reach; the site loads nothing from the internet. Its MIT licence is
-``docs/javascripts/mermaid.LICENSE``, beside the copy in the built site."""
+"""The site's copy of mermaid.js, which draws its diagrams: installed, not committed. Installing is
+a set-up step (``python docs/hooks/mermaid_js.py``, run by ``make test`` and ``make docs``
+before anything builds the site): npm fetches the pinned package (``npm pack``, through whatever
+registry npm is configured for), the tarball is checked against the pinned integrity hash, and
+its ``dist/mermaid.min.js`` is kept in the cache directory. Building the site only reads that
+copy, so the docs tests reach nothing beyond the machine. The theme would otherwise load mermaid
+from a CDN, which an offline reader does not reach; the site loads nothing from the internet.
+Its MIT licence is ``docs/javascripts/mermaid.LICENSE``, beside the copy in the built site."""
 
 from __future__ import annotations
 
