@@ -261,9 +261,8 @@ def _causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
     Through torch's flash kernel, twice when the chunk follows a prefix: the prefix without a
     mask, the chunk's own keys causally (the kernel aligns its causal mask to the first key),
-    the two merged by their log-sum-exps. The masked kernel this replaces materialized every
-    score beside a boolean mask: a 2,048-token chunk of SmolLM2 took 0.17 s a layer there and
-    0.08 s here."""
+    the two merged by their log-sum-exps, rather than a masked kernel that materializes every
+    score beside a boolean mask (twice as slow on long chunks: ``docs/design/kernels.md``)."""
     group = q.shape[1] // k.shape[1]
     if group > 1:  # the flash kernel takes as many K/V heads as query heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
