@@ -75,17 +75,27 @@ inline void store(c10::BFloat16* out, __mmask16 mask, __m512 v) {
   _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(rounded));
 }
 
+// A pair of panels' 32 bias values (zeros without a bias), the columns >= valid zero too.
+struct PairBias {
+  __mmask16 lo, hi;
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+
+  PairBias(const float* bias, int valid) : lo(low_mask(valid)), hi(low_mask(valid - 16)) {
+    if (bias != nullptr) {
+      b0 = _mm512_maskz_loadu_ps(lo, bias);
+      b1 = _mm512_maskz_loadu_ps(hi, bias + kPanel);
+    }
+  }
+};
+
 // Runs a tile over k_total input features: `step(j, a0, a1)` adds step j's products to the
 // rows' accumulators; then stores rows x 32 columns (+ bias), columns >= valid left alone.
 template <int R, typename T, typename Step>
 inline void run_tile(int64_t steps, const float* bias, int valid, T* out, int64_t ld_out,
                      Step&& step) {
-  const __mmask16 lo = low_mask(valid), hi = low_mask(valid - 16);
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    b0 = _mm512_maskz_loadu_ps(lo, bias);
-    b1 = _mm512_maskz_loadu_ps(hi, bias + kPanel);
-  }
+  const PairBias pb(bias, valid);
+  const __mmask16 lo = pb.lo, hi = pb.hi;
+  const __m512 b0 = pb.b0, b1 = pb.b1;
   __m512 a0[R], a1[R];
   for (int m = 0; m < R; ++m) {
     a0[m] = b0;
@@ -256,12 +266,7 @@ void amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_featu
     for (int64_t p = begin; p < end; ++p) {
       const int64_t col = p * 2 * kPanel;
       const int valid = static_cast<int>(std::min<int64_t>(2 * kPanel, out_features - col));
-      const __mmask16 lo = low_mask(valid), hi = low_mask(valid - 16);
-      __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-      if (bias != nullptr) {
-        b0 = _mm512_maskz_loadu_ps(lo, bias + col);
-        b1 = _mm512_maskz_loadu_ps(hi, bias + col + kPanel);
-      }
+      const PairBias pb(bias == nullptr ? nullptr : bias + col, valid);
       for (int64_t block = 0; block < blocks; ++block) {
         amx_block(xs + block * kAmxRows * k_total, k_total, w + p * pair_bytes, sums);
         const int64_t first = block * kAmxRows;
@@ -269,8 +274,8 @@ void amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_featu
         for (int64_t m = 0; m < count; ++m) {
           c10::BFloat16* row = o + (first + m) * out_features + col;
           const float* sum = sums + m * 2 * kPanel;
-          store(row, lo, _mm512_add_ps(_mm512_load_ps(sum), b0));
-          store(row + kPanel, hi, _mm512_add_ps(_mm512_load_ps(sum + kPanel), b1));
+          store(row, pb.lo, _mm512_add_ps(_mm512_load_ps(sum), pb.b0));
+          store(row + kPanel, pb.hi, _mm512_add_ps(_mm512_load_ps(sum + kPanel), pb.b1));
         }
       }
     }
@@ -326,23 +331,21 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
   at::Tensor rows_in = x.reshape({-1, k_total}).contiguous();
   const int64_t rows = rows_in.size(0);
   if (rows == 0) return out;
+#if defined(__AVX512F__)
+  const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
+  const float* b = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
 #if defined(PAGEDLLM_AMX)
   if (bf16 && rows >= kAmxMinRows && k_total % kAmxFeatures == 0 && amx_permitted()) {
-    const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
-    amx_linear(rows_in, packed, out_features,
-               bias.has_value() ? bias_f32.data_ptr<float>() : nullptr, out);
+    amx_linear(rows_in, packed, out_features, b, out);
     return out;
   }
 #endif
-#if defined(__AVX512F__)
 #if !defined(__AVX512BF16__)
   if (bf16) rows_in = rows_in.to(at::kFloat);  // widened once, exactly
 #endif
-  const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
   const auto* xs = static_cast<const char*>(rows_in.data_ptr());
   const int64_t x_row = k_total * rows_in.element_size();
   const auto* w = static_cast<const char*>(packed.data_ptr());
-  const float* b = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
   auto* o = static_cast<char*>(out.data_ptr());
   const int64_t o_elem = out.element_size();
   const auto& tiles = bf16 ? kBf16Tiles : kF32Tiles;
