@@ -181,43 +181,30 @@ def vllm_engine(args: argparse.Namespace, kv: str, workdir: Path) -> Engine:
     return Engine(f"vllm {kv}", run, ready["kv_tokens"], proc)
 
 
-def wait_llama_ready(proc: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
-    started = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}; see {log_path}")
-        try:
-            serving.post(url, {"prompt": "Warm up", "n_predict": 4}, timeout=300)
-            return
-        except OSError:  # not listening yet, or 503 while it loads
-            if time.monotonic() - started > timeout:
-                raise RuntimeError(f"llama-server not ready; see {log_path}") from None
-            time.sleep(1)
-
-
 def llama_engine(args: argparse.Namespace, cache: str, gguf: Path, workdir: Path) -> Engine:
-    """llama-server with a slot per request of the largest set, each slot a whole context."""
+    """llama-server with a slot per request of the largest set, each slot a whole context,
+    started and warmed as the serving benchmark starts its servers."""
     port = common.free_port()
     slots = max(CONCURRENCIES)
-    flags = LLAMA_CACHES[cache]
-    log_path = workdir / f"llama.cpp-{cache}.log"
-    proc = subprocess.Popen(
+    server = serving.Server(
+        f"llama.cpp-{cache}",
         [
             str(args.llama_server), "-m", str(gguf), "-t", str(args.threads),
             "-c", str(slots * MAX_LEN), "--parallel", str(slots),
-            "--host", "127.0.0.1", "--port", str(port), *flags,
+            "--host", "127.0.0.1", "--port", str(port), *LLAMA_CACHES[cache],
         ],
-        env=serving.thread_env(args.threads),
-        stdout=log_path.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        serving.thread_env(args.threads),
+        port,
+        str(gguf),
+        log=workdir / f"llama.cpp-{cache}.log",
     )  # fmt: skip
-    url = f"http://127.0.0.1:{port}/completion"
+    proc = serving.start(server, workdir)
     try:
-        wait_llama_ready(proc, url, args.ready_timeout, log_path)
+        serving.wait_ready(server, proc, args.ready_timeout)
     except BaseException:
         common.stop_process(proc)
         raise
+    url = f"http://127.0.0.1:{port}/completion"
 
     def one(prompt: list[int], max_tokens: int) -> int:
         body = {

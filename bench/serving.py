@@ -181,37 +181,17 @@ def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[st
     max_len = args.prompt_len + args.output_len + 64
     # transformers serve reads Hugging Face directories only: a GGUF model's de-quantized copy.
     peer_model = str(common.hf_model_dir(Path(model)))
+    max_num_seqs = str(max(256, max(args.concurrencies)))
+
+    def pagedllm(name: str, port: int, dtype: str) -> Server:
+        command = pagedllm_serve_command(
+            model, port, dtype, args.kv_cache_memory, max_len, "--max-num-seqs", max_num_seqs
+        )
+        return Server(name, command, env, port, model)
+
     servers = {
-        "pagedllm": Server(
-            "pagedllm",
-            pagedllm_serve_command(
-                model,
-                args.port,
-                args.dtype,
-                args.kv_cache_memory,
-                max_len,
-                "--max-num-seqs",
-                str(max(256, max(args.concurrencies))),
-            ),
-            env,
-            args.port,
-            model,
-        ),
-        "pagedllm-float32": Server(
-            "pagedllm-float32",
-            pagedllm_serve_command(
-                model,
-                args.port + 3,
-                "float32",
-                args.kv_cache_memory,
-                max_len,
-                "--max-num-seqs",
-                str(max(256, max(args.concurrencies))),
-            ),
-            env,
-            args.port + 3,
-            model,
-        ),
+        "pagedllm": pagedllm("pagedllm", args.port, args.dtype),
+        "pagedllm-float32": pagedllm("pagedllm-float32", args.port + 3, "float32"),
         "vllm": Server(
             "vllm",
             [
@@ -227,7 +207,7 @@ def make_servers(args: argparse.Namespace, model: str, workdir: Path) -> dict[st
                 "--max-model-len",
                 str(max_len),
                 "--max-num-seqs",
-                str(max(256, max(args.concurrencies))),
+                max_num_seqs,
                 "--host",
                 "127.0.0.1",
                 "--port",
